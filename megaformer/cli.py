@@ -1,0 +1,50 @@
+"""megaformer: train, decode and evaluate the Transformer of "Attention Is All You Need".
+
+One sub-command per job, each in the module that owns it.
+
+Every sub-command module exposes ``add_arguments(parser)`` and ``main(args) -> int``.
+Errors derived from :class:`megaformer.errors.MegaformerError` are printed on one line
+(naming the file, line or setting) and end the process with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megaformer.errors import MegaformerError
+
+# name -> (module, one-line help); modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("megaformer.data.prepare", "clean parallel text, train sentencepiece, write webdataset shards"),
+    "inspect": ("megaformer.data.inspect", "summarise a prepared data directory"),
+    "info": ("megaformer.info", "parameters, FLOPs and memory of a config"),
+    "parity": ("megaformer.parity", "check a TP=N model against TP=1 on this installation"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Build only the requested sub-parser when possible: importing every command pulls in torch.
+    parser = argparse.ArgumentParser(prog="megaformer", description=__doc__.splitlines()[0], epilog="Run megaformer COMMAND --help for the options of a command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        if name == wanted:
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except MegaformerError as err:
+        print(f"megaformer {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"megaformer {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""One config schema: nested dataclasses loaded from YAML, then ``--set a.b=c`` overrides.
+
+Each component receives only its own sub-config (``cfg.model``, ``cfg.parallel`` ...).
+Unknown keys are errors that name the key; values are converted to the declared
+field type so that ``--set train.lr_scale=2`` and a YAML ``2`` mean the same thing.
+The resolved config is written into every run directory (:func:`dump_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megaformer.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    d_model: int = 512
+    d_ff: int = 2048
+    num_heads: int = 8
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    dropout: float = 0.1  # residual dropout and the embedding + position sum
+    attention_dropout: float = 0.0  # on attention probabilities (not used in the paper)
+    activation_dropout: float = 0.0  # inside the feed-forward network (not used in the paper)
+    norm: str = "post"  # "post": LayerNorm(x + Sublayer(x)) as in the paper; "pre": x + Sublayer(LayerNorm(x))
+    layernorm_eps: float = 1e-5
+    max_positions: int = 1024
+    activation_checkpointing: bool = False  # recompute each layer in backward
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel size: heads and d_ff are split over this many ranks
+    dp: int = 0  # data-parallel size; 0 = world size / tp
+    sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence
+    dropout_rng: str = "exact"  # "exact": masks independent of tp; "fast": per-rank masks on split tensors
+    vocab_multiple: int = 128  # vocabulary padded to a multiple of lcm(this, tp * 8)
+    backend: str = "auto"  # "auto" = nccl with CUDA, gloo otherwise
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # directory written by `megaformer prepare` (holds manifest.json)
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    vocab_size: int = 8000  # used when no prepared data gives the real size
+    max_tokens: int = 4096  # per micro-batch and side, counting padding
+    max_len: int = 256  # longest sentence in tokens kept by prepare and streaming
+    shuffle_buffer: int = 10000
+    num_workers: int = 1
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    zero_stage: int = 1
+    tokens_per_step: int = 25000  # target tokens (per side) per optimizer step, all DP ranks together
+    max_steps: int = 100000
+    lr_scale: float = 1.0  # lrate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
+    warmup_steps: int = 4000
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_grad: float = 0.0  # 0 = no clipping
+    label_smoothing: float = 0.1
+    seed: int = 1
+    log_interval: int = 100
+    eval_interval: int = 1000
+    save_interval: int = 1000  # steps; 0 = only on signals and at the end
+    save_minutes: float = 0.0  # also save every this many minutes; 0 = off
+    keep_last: int = 5
+    fp16_initial_scale_power: int = 16
+
+
+@dataclass
+class DecodeConfig:
+    beam: int = 4
+    lenpen: float = 0.6  # ((5 + |Y|) / 6) ** lenpen
+    max_len_a: float = 1.0  # maximum output length = a * source length + b
+    max_len_b: int = 50
+    average_last: int = 5  # checkpoints averaged for evaluation
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+_CHOICES = {
+    ("model", "norm"): ("post", "pre"),
+    ("parallel", "dropout_rng"): ("exact", "fast"),
+    ("parallel", "backend"): ("auto", "nccl", "gloo"),
+    ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("train", "zero_stage"): (0, 1, 2),
+}
+
+
+def _convert(value: Any, kind: Any, key: str) -> Any:
+    """Convert a YAML or command-line value to the declared field type."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind in (int, float, str):
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        try:
+            if kind is int and isinstance(value, str):
+                number = float(value)  # accepts "25000" and "2.5e4"
+                if not number.is_integer():
+                    raise ValueError(value)
+                return int(number)
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+    return value
+
+
+def _apply(obj: Any, values: dict, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in names:
+            raise ConfigError(f"unknown config key '{key}' (known: {', '.join(sorted(names))})")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a mapping of {', '.join(sorted(f.name for f in dataclasses.fields(current)))}")
+            _apply(current, value, key + ".")
+        else:
+            kind = hints[name]
+            if isinstance(kind, types.UnionType):
+                kind = next(a for a in typing.get_args(kind) if a is not type(None))
+            setattr(obj, name, _convert(value, kind, key))
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set model.num_heads=16")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a :class:`Config` from defaults, then a YAML file, then ``a.b=c`` overrides; validate it."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        try:
+            _apply(cfg, values, "")
+        except ConfigError as err:
+            raise ConfigError(f"{path}: {err}") from None
+    for text in overrides:
+        keys, value = _parse_override(text)
+        nested: dict = {keys[-1]: value}
+        for k in reversed(keys[:-1]):
+            nested = {k: nested}
+        _apply(cfg, nested, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no processes: choices and value ranges. Layout checks live in parallel.layout."""
+    for (section, name), choices in _CHOICES.items():
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"{section}.{name}={value!r}: choose one of {', '.join(map(str, choices))}")
+    m = cfg.model
+    for name in ("d_model", "d_ff", "num_heads", "encoder_layers", "decoder_layers", "max_positions"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"model.{name} must be at least 1, got {getattr(m, name)}")
+    for name in ("dropout", "attention_dropout", "activation_dropout"):
+        if not 0.0 <= getattr(m, name) < 1.0:
+            raise ConfigError(f"model.{name} must be in [0, 1), got {getattr(m, name)}")
+    if not 0.0 <= cfg.train.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing must be in [0, 1), got {cfg.train.label_smoothing}")
+    if cfg.parallel.tp < 1 or cfg.parallel.dp < 0:
+        raise ConfigError(f"parallel.tp must be >= 1 and parallel.dp >= 0, got tp={cfg.parallel.tp} dp={cfg.parallel.dp}")
+    if cfg.data.vocab_size < 4:
+        raise ConfigError(f"data.vocab_size must be at least 4, got {cfg.data.vocab_size}")
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(values: dict) -> Config:
+    """Rebuild a config saved with :func:`to_dict` (e.g. from a checkpoint); validates it."""
+    cfg = Config()
+    _apply(cfg, values, "")
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (into a run directory)."""
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -1,0 +1,6 @@
+"""The encoder-decoder Transformer built from the parallel core."""
+
+from megaformer.model.attention import DecoderCache
+from megaformer.model.transformer import Transformer, sinusoidal_positions
+
+__all__ = ["DecoderCache", "Transformer", "sinusoidal_positions"]

@@ -1,0 +1,158 @@
+"""Multi-head attention with heads split across tensor-parallel ranks, and the decoding cache.
+
+Each rank owns ``num_heads / tp`` whole heads: the fused QKV (or Q and fused KV for
+cross-attention) projection is column-parallel, attention is local to the rank, and
+the output projection is row-parallel, so one attention block costs one all-reduce
+in forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaformer.parallel import ColumnParallelLinear, DropoutRNG, RowParallelLinear, TPGroup
+
+
+class DecoderCache:
+    """Per-layer keys and values kept between decoding steps.
+
+    Self-attention keys/values grow by one position a step; cross-attention
+    keys/values are computed once per source. :meth:`reorder` follows beam search.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.self_attn: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.cross_attn: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        """Target positions already decoded."""
+        first = self.self_attn[0]
+        return first["k"].shape[2] if first else 0
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the rows ``index`` of the batch (beam search's surviving hypotheses)."""
+        for layer in self.self_attn + self.cross_attn:
+            for name, t in layer.items():
+                layer[name] = t.index_select(0, index)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    rng: DropoutRNG,
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, len, head_dim) tensors.
+
+    ``mask`` is boolean, True where a key may be attended, broadcast to
+    (batch, heads, tgt_len, src_len). Without attention dropout this is one call of
+    ``scaled_dot_product_attention``; with it, the probabilities are dropped with a
+    mask from the TP-aware stream (split along heads, dimension 1).
+    """
+    t, s = q.shape[-2], k.shape[-2]
+    causal = causal and t > 1  # one new query sees every cached key
+    if causal and (mask is not None or t != s or dropout_p > 0.0):
+        # Query i sits at position s - t + i: it sees keys 0 .. s - t + i (bottom-right aligned).
+        causal_mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        mask = causal_mask if mask is None else mask & causal_mask
+        causal = False
+    if dropout_p == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, tgt_len, src_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = rng.dropout(torch.softmax(scores, dim=-1), dropout_p, True, split_dim=1)
+    return torch.matmul(probs, v)
+
+
+class SelfAttention(nn.Module):
+    """Self-attention with a fused, column-parallel QKV projection (whole heads per rank)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        tp: TPGroup,
+        rng: DropoutRNG,
+        causal: bool,
+        attention_dropout: float = 0.0,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.heads = num_heads // tp.size
+        self.head_dim = d_model // num_heads
+        self.causal = causal
+        self.rng = rng
+        self.attention_dropout = attention_dropout
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, tp, partitions=3, sequence_parallel=sequence_parallel)
+        self.out = RowParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        qkv = self.qkv(x)  # (batch, len, 3 * heads * head_dim), this rank's heads
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (batch, heads, len, head_dim)
+        causal = self.causal
+        if cache is not None:
+            if cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        p = self.attention_dropout if self.training else 0.0
+        ctx = attend(q, k, v, mask, causal, p, self.rng)  # (batch, heads, len, head_dim)
+        return self.out(ctx.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class CrossAttention(nn.Module):
+    """Decoder-to-encoder attention: column-parallel Q and fused KV, row-parallel output."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        tp: TPGroup,
+        rng: DropoutRNG,
+        attention_dropout: float = 0.0,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.heads = num_heads // tp.size
+        self.head_dim = d_model // num_heads
+        self.rng = rng
+        self.attention_dropout = attention_dropout
+        self.q = ColumnParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
+        self.kv = ColumnParallelLinear(d_model, 2 * d_model, tp, partitions=2, sequence_parallel=sequence_parallel)
+        self.out = RowParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None,
+        cache: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        q = self.q(x)
+        b, t = q.shape[:2]
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (batch, heads, tgt_len, head_dim)
+        if cache:
+            k, v = cache["k"], cache["v"]
+        else:
+            kv = self.kv(memory)
+            k, v = kv.view(b, kv.shape[1], 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (batch, heads, src_len, head_dim)
+            if cache is not None:
+                cache["k"], cache["v"] = k, v
+        p = self.attention_dropout if self.training else 0.0
+        ctx = attend(q, k, v, memory_mask, False, p, self.rng)
+        return self.out(ctx.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))

@@ -1,0 +1,88 @@
+"""The feed-forward network and the encoder and decoder layers.
+
+A layer's forward is its residual lines. ``norm: post`` is the paper's order,
+LayerNorm(x + Dropout(Sublayer(x))); ``norm: pre`` is x + Dropout(Sublayer(LayerNorm(x))).
+Under sequence parallelism ``x`` is this rank's part of the sequence everywhere
+outside the attention and feed-forward blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaformer.config import ModelConfig
+from megaformer.model.attention import CrossAttention, SelfAttention
+from megaformer.parallel import ColumnParallelLinear, Dropout, DropoutRNG, LayerNorm, RowParallelLinear, TPGroup
+from megaformer.parallel.comm import SEQ_DIM
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 with W_1 split by columns and W_2 by rows."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rng: DropoutRNG, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.d_model, cfg.d_ff, tp, sequence_parallel=sequence_parallel)
+        self.fc2 = RowParallelLinear(cfg.d_ff, cfg.d_model, tp, sequence_parallel=sequence_parallel)
+        self.dropout = Dropout(cfg.activation_dropout, rng, split_dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))  # (batch, len, d_ff / tp)
+        return self.fc2(self.dropout(h))
+
+
+class _Residual(nn.Module):
+    """Shared residual wiring of the encoder and decoder layers."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rng: DropoutRNG, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.pre_norm = cfg.norm == "pre"
+        self.dropout = Dropout(cfg.dropout, rng, split_dim=SEQ_DIM if sequence_parallel and tp.size > 1 else None)
+
+    def residual(self, x: torch.Tensor, norm: LayerNorm, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.pre_norm:
+            return x + self.dropout(sublayer(norm(x)))
+        return norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(_Residual):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rng: DropoutRNG, sequence_parallel: bool = False) -> None:
+        super().__init__(cfg, tp, rng, sequence_parallel)
+        sp = sequence_parallel
+        self.self_attn = SelfAttention(cfg.d_model, cfg.num_heads, tp, rng, False, cfg.attention_dropout, sp)
+        self.ffn = FeedForward(cfg, tp, rng, sp)
+        self.norm1 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
+        self.norm2 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.residual(x, self.norm1, lambda h: self.self_attn(h, src_mask))
+        x = self.residual(x, self.norm2, self.ffn)
+        return x
+
+
+class DecoderLayer(_Residual):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, rng: DropoutRNG, sequence_parallel: bool = False) -> None:
+        super().__init__(cfg, tp, rng, sequence_parallel)
+        sp = sequence_parallel
+        self.self_attn = SelfAttention(cfg.d_model, cfg.num_heads, tp, rng, True, cfg.attention_dropout, sp)
+        self.cross_attn = CrossAttention(cfg.d_model, cfg.num_heads, tp, rng, cfg.attention_dropout, sp)
+        self.ffn = FeedForward(cfg, tp, rng, sp)
+        self.norm1 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
+        self.norm2 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
+        self.norm3 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None,
+        self_cache: dict | None = None,
+        cross_cache: dict | None = None,
+    ) -> torch.Tensor:
+        x = self.residual(x, self.norm1, lambda h: self.self_attn(h, None, self_cache))
+        x = self.residual(x, self.norm2, lambda h: self.cross_attn(h, memory, memory_mask, cross_cache))
+        x = self.residual(x, self.norm3, self.ffn)
+        return x

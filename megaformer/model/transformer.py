@@ -1,0 +1,189 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", tensor-parallel.
+
+One vocab-parallel embedding table serves the encoder input, the decoder input and
+the output projection (paper 3.4), scaled by sqrt(d_model); sinusoidal positions
+(3.5); N encoder and N decoder layers (3.1). The logits stay split over the TP group:
+the loss (:mod:`megaformer.parallel.loss`) and beam search work on the slices.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megaformer.config import ModelConfig
+from megaformer.model.attention import DecoderCache
+from megaformer.model.layers import DecoderLayer, EncoderLayer
+from megaformer.parallel import (
+    Dropout,
+    DropoutRNG,
+    LayerNorm,
+    TPGroup,
+    VocabParallelEmbedding,
+    check_model_split,
+    init_parameters,
+    padded_vocab_size,
+    vocab_parallel_cross_entropy,
+)
+from megaformer.parallel.comm import SEQ_DIM
+
+
+def sinusoidal_positions(length: int, d_model: int) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); (length, d_model)."""
+    pos = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    inv = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    pe = torch.zeros(length, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(pos * inv)
+    pe[:, 1::2] = torch.cos(pos * inv)[:, : d_model // 2]
+    return pe.float()
+
+
+def _pad_to_multiple(ids: torch.Tensor, multiple: int, pad_id: int) -> torch.Tensor:
+    extra = -ids.shape[1] % multiple
+    return ids if extra == 0 else torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer whose heads, d_ff and vocabulary are split over ``tp``.
+
+    ``vocab_size`` is the tokenizer's size; the table is padded to
+    :func:`padded_vocab_size` rows and the padding never gets probability.
+    Parameters are initialised from ``seed`` independently of the TP size.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        vocab_size: int,
+        tp: TPGroup,
+        rng: DropoutRNG,
+        *,
+        seed: int = 1,
+        sequence_parallel: bool = False,
+        vocab_multiple: int = 128,
+        pad_id: int = 0,
+    ) -> None:
+        super().__init__()
+        check_model_split(cfg, tp.size)
+        self.cfg = cfg
+        self.tp = tp
+        self.rng = rng
+        self.vocab_size = vocab_size
+        self.pad_id = pad_id
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        sp = self.sequence_parallel
+        self.embed = VocabParallelEmbedding(
+            padded_vocab_size(vocab_size, tp.size, vocab_multiple), cfg.d_model, tp, pad_id, sp
+        )
+        self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
+        self.embed_dropout = Dropout(cfg.dropout, rng, split_dim=SEQ_DIM if sp else None)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg, tp, rng, sp) for _ in range(cfg.encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg, tp, rng, sp) for _ in range(cfg.decoder_layers))
+        # Pre-LN needs a final LayerNorm on each stack; post-LN layers already end with one.
+        pre = cfg.norm == "pre"
+        self.encoder_norm = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp) if pre else nn.Identity()
+        self.decoder_norm = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp) if pre else nn.Identity()
+        self.activation_checkpointing = cfg.activation_checkpointing
+        init_parameters(self, seed, tp)
+
+    # ---- building blocks ------------------------------------------------------------------
+
+    def embed_tokens(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """sqrt(d_model) * E[ids] + PE, then dropout; (batch, len, d) or this rank's part of len."""
+        length = ids.shape[1]
+        if length + offset > self.positions.shape[0]:
+            raise ValueError(
+                f"sequence of {length + offset} tokens is longer than model.max_positions={self.positions.shape[0]}"
+            )
+        x = self.embed(ids) * math.sqrt(self.cfg.d_model)
+        start = offset + (self.tp.rank * x.shape[1] if self.sequence_parallel else 0)
+        x = x + self.positions[start : start + x.shape[1]].to(x.dtype)
+        return self.embed_dropout(x)
+
+    def _layer(self, layer: nn.Module, *args) -> torch.Tensor:
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint_with_rng(layer, self.rng, *args)
+        return layer(*args)
+
+    def source_mask(self, src: torch.Tensor) -> torch.Tensor | None:
+        """(batch, 1, 1, src_len) True where a key is a real token; None if nothing is padded."""
+        pad = src.eq(self.pad_id)
+        return None if not bool(pad.any()) else ~pad[:, None, None, :]
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Encoder output (batch, src_len, d) and the source key mask."""
+        mask = self.source_mask(src)
+        x = self.embed_tokens(src)
+        for layer in self.encoder:
+            x = self._layer(layer, x, mask)
+        return self.encoder_norm(x), mask
+
+    def decode(
+        self,
+        tgt_in: torch.Tensor,
+        memory: torch.Tensor,
+        memory_mask: torch.Tensor | None,
+        cache: DecoderCache | None = None,
+    ) -> torch.Tensor:
+        """Decoder hidden states for ``tgt_in``; with ``cache``, ``tgt_in`` holds only new positions."""
+        offset = cache.length if cache is not None else 0
+        x = self.embed_tokens(tgt_in, offset)
+        for i, layer in enumerate(self.decoder):
+            if cache is not None:
+                x = layer(x, memory, memory_mask, cache.self_attn[i], cache.cross_attn[i])
+            else:
+                x = self._layer(layer, x, memory, memory_mask)
+        return self.decoder_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits, (batch, len, padded_vocab / tp)."""
+        return self.embed.logits(hidden)
+
+    # ---- training ---------------------------------------------------------------------------
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel logits (batch, tgt_len, padded_vocab / tp) of teacher-forced decoding."""
+        memory, mask = self.encode(src)
+        return self.logits(self.decode(tgt_in, memory, mask))
+
+    def loss(
+        self,
+        src: torch.Tensor,
+        tgt_in: torch.Tensor,
+        tgt_out: torch.Tensor,
+        label_smoothing: float = 0.0,
+    ) -> tuple[torch.Tensor, int]:
+        """Summed label-smoothed cross-entropy over the target tokens, and their count."""
+        if self.sequence_parallel:  # every rank holds an equal part of each sequence
+            src = _pad_to_multiple(src, self.tp.size, self.pad_id)
+            tgt_in = _pad_to_multiple(tgt_in, self.tp.size, self.pad_id)
+            tgt_out = _pad_to_multiple(tgt_out, self.tp.size, self.pad_id)
+        logits = self(src, tgt_in)
+        per_token = vocab_parallel_cross_entropy(
+            logits.flatten(0, 1), tgt_out.flatten(), self.tp, self.vocab_size, label_smoothing, self.pad_id
+        )
+        return per_token.sum(), int(tgt_out.ne(self.pad_id).sum())
+
+
+def checkpoint_with_rng(layer: nn.Module, rng: DropoutRNG, *args) -> torch.Tensor:
+    """Run ``layer`` without keeping activations; backward recomputes it with the same dropout masks.
+
+    The dropout streams' state before the forward is saved; the recomputation starts
+    from it and leaves the streams where the original forward left them.
+    """
+    before = rng.get_state()
+
+    @contextmanager
+    def recompute():
+        after = rng.get_state()
+        rng.set_state(before)
+        try:
+            yield
+        finally:
+            rng.set_state(after)
+
+    return checkpoint(layer, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), recompute()))

@@ -1,0 +1,85 @@
+"""Cross-entropy with label smoothing on vocab-parallel logits; the full logits are never gathered.
+
+Rank i holds logits z_i for vocabulary rows [i V/p, (i+1) V/p) of the padded table.
+With m = max z, S = sum exp(z - m) over the real vocabulary (V entries) and the
+target logit z_t, the smoothed loss of one token is
+
+    (1 - eps) * (log S - (z_t - m)) + eps * (log S - mean over the real vocabulary of (z - m))
+
+which equals ``F.cross_entropy(z, t, label_smoothing=eps)`` on the gathered logits.
+Padded vocabulary rows (index >= V) never get probability. Two all-reduces in
+forward: the max, then (S, z_t, sum z) stacked into one tensor. The gradient is
+softmax(z) - (1 - eps) onehot(t) - eps / V, computed from the saved softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megaformer.parallel.groups import TPGroup
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, tp: TPGroup, vocab_size: int, smoothing: float, ignore_index: int):
+        local = logits.shape[-1]
+        start = tp.rank * local
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        real = (torch.arange(start, start + local, device=logits.device) < vocab_size)  # (V/p,)
+        z = logits.masked_fill(~real, float("-inf")) if not bool(real.all()) else logits.clone()
+
+        m = z.max(dim=-1).values  # (N,)
+        if tp.size > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp.group)
+        z.sub_(m.unsqueeze(-1))
+
+        in_range = (target >= start) & (target < start + local)
+        local_t = (target - start).masked_fill(~in_range, 0)
+        z_t = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        sum_z = z.masked_fill(~real, 0.0).sum(-1) if smoothing > 0 else torch.zeros_like(m)
+        exp = z.exp_()  # z is no longer needed: reuse its storage for exp(z - m)
+        stats = torch.stack([exp.sum(-1), z_t, sum_z])  # (3, N)
+        if tp.size > 1:
+            dist.all_reduce(stats, group=tp.group)
+        sum_exp, z_t, sum_z = stats
+        log_s = sum_exp.log()
+        loss = (1.0 - smoothing) * (log_s - z_t)
+        if smoothing > 0:
+            loss = loss + smoothing * (log_s - sum_z / vocab_size)
+        keep = target != ignore_index
+        loss = loss.masked_fill(~keep, 0.0)
+
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, this rank's slice
+        ctx.save_for_backward(exp, local_t, in_range, keep, real)
+        ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, in_range, keep, real = ctx.saved_tensors
+        grad = softmax  # reused in place: backward runs once
+        grad.scatter_add_(
+            -1, local_t.unsqueeze(-1), -(1.0 - ctx.smoothing) * in_range.to(grad.dtype).unsqueeze(-1)
+        )
+        if ctx.smoothing > 0:
+            grad.sub_(real.to(grad.dtype) * (ctx.smoothing / ctx.vocab_size))
+        grad.mul_((grad_loss * keep).unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp: TPGroup,
+    vocab_size: int,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Per-token loss (0 where ``target == ignore_index``) from this rank's slice of the logits.
+
+    ``logits``: (N, V_padded / tp), any float dtype (computed in fp32); ``target``: (N,)
+    ids of the real vocabulary; ``vocab_size``: V, the real (unpadded) size.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, label_smoothing, ignore_index)

