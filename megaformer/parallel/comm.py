@@ -27,9 +27,15 @@ from megaformer.parallel.groups import TPGroup
 
 SEQ_DIM = 1
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
 
 
 # ---- primitives (no autograd) ------------------------------------------------------------
