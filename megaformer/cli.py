@@ -21,7 +21,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("megaformer.data.inspect", "summarise a prepared data directory"),
     "info": ("megaformer.info", "parameters, FLOPs and memory of a config"),
     "parity": ("megaformer.parity", "check a TP=N model against TP=1 on this installation"),
+    "train": ("megaformer.train.command", "train (torchrun, srun, the deepspeed launcher, or --nproc N local processes)"),
+    "reshard": ("megaformer.train.command:reshard", "rewrite a checkpoint for another tensor-parallel size"),
+    "export": ("megaformer.train.command:export", "write one consolidated, TP-independent model file"),
 }
+
+
+def _entry(spec: str, function: str):
+    """``module`` -> module.function; ``module:prefix`` -> module.prefix_function (several commands in one module)."""
+    module, _, prefix = spec.partition(":")
+    name = f"{prefix}_{function}" if prefix else function
+    if prefix and function == "add_arguments":
+        name = f"add_{prefix}_arguments"
+    return getattr(importlib.import_module(module), name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         if name == wanted:
-            importlib.import_module(module).add_arguments(p)
+            _entry(module, "add_arguments")(p)
     args = parser.parse_args(argv)
     try:
-        return int(importlib.import_module(args._module).main(args) or 0)
+        return int(_entry(args._module, "main")(args) or 0)
     except MegaformerError as err:
         print(f"megaformer {args.command}: error: {err}", file=sys.stderr)
         return 2

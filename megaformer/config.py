@@ -54,7 +54,8 @@ class DataConfig:
     vocab_size: int = 8000  # used when no prepared data gives the real size
     max_tokens: int = 4096  # per micro-batch and side, counting padding
     max_len: int = 256  # longest sentence in tokens kept by prepare and streaming
-    shuffle_buffer: int = 10000
+    shuffle_buffer: int = 10000  # a sample moves up to this many places in the read order (seeded per epoch)
+    sort_buffer: int = 100000  # samples sorted by length together and cut into batches (memory: ~300 bytes each)
     num_workers: int = 1
     seed: int = 1234
 
@@ -65,6 +66,7 @@ class TrainConfig:
     zero_stage: int = 1
     tokens_per_step: int = 25000  # target tokens (per side) per optimizer step, all DP ranks together
     max_steps: int = 100000
+    max_minutes: float = 0.0  # also stop (and save) after this much training time; 0 = no limit
     lr_scale: float = 1.0  # lrate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup_steps: int = 4000
     adam_beta1: float = 0.9
@@ -79,7 +81,11 @@ class TrainConfig:
     save_interval: int = 1000  # steps; 0 = only on signals and at the end
     save_minutes: float = 0.0  # also save every this many minutes; 0 = off
     keep_last: int = 5
-    fp16_initial_scale_power: int = 16
+    fp16_initial_scale_power: int = 16  # dynamic loss scale starts at 2^this
+    fp16_hysteresis: int = 2  # overflows tolerated before the loss scale is lowered
+    zero_bucket_size: int = 500_000_000  # elements per ZeRO reduce / all-gather bucket (DeepSpeed's default)
+    zero_overlap_comm: bool = False  # overlap ZeRO-2 gradient reduction with backward
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU table, or measured on a CPU
 
 
 @dataclass

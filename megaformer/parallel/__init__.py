@@ -14,7 +14,14 @@ from megaformer.parallel.layers import ColumnParallelLinear, LayerNorm, RowParal
 from megaformer.parallel.layout import ParallelLayout, check_model_split, padded_vocab_size
 from megaformer.parallel.loss import vocab_parallel_cross_entropy
 from megaformer.parallel.rng import Dropout, DropoutRNG
-from megaformer.parallel.sharding import gather_full, init_parameters, mark_sharded, shard_full
+from megaformer.parallel.sharding import (
+    gather_full,
+    gather_full_state,
+    init_parameters,
+    load_full_state,
+    mark_sharded,
+    shard_full,
+)
 
 __all__ = [
     "LOCAL",
@@ -32,7 +39,9 @@ __all__ = [
     "gather_from_sequence",
     "gather_from_tp",
     "gather_full",
+    "gather_full_state",
     "init_parameters",
+    "load_full_state",
     "mark_sharded",
     "padded_vocab_size",
     "reduce_from_tp",

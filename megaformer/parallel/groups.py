@@ -70,19 +70,22 @@ class ParallelContext:
         local_rank: int = 0,
         init_method: str | None = None,
         timeout_s: float = 600.0,
+        single_process_group: bool = False,
     ) -> "ParallelContext":
         """Validate the layout, start ``torch.distributed`` if needed, and build the groups.
 
         ``init_method`` defaults to ``env://`` (MASTER_ADDR / MASTER_PORT), which every
         launcher in ``launcher/`` sets. The layout is validated before any group exists.
+        One process gets no process group unless ``single_process_group`` (DeepSpeed
+        needs one even then).
         """
         layout = ParallelLayout.from_config(cfg, world_size)
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
         device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
         if backend == "nccl":
             torch.cuda.set_device(device)
-        if world_size == 1 and not dist.is_initialized():
-            return cls(layout, 0, 0, LOCAL, None, device, "none")
+        if world_size == 1 and not dist.is_initialized() and not single_process_group:
+            return cls(layout, 0, 0, LOCAL, None, device, backend)
         if not dist.is_initialized():
             dist.init_process_group(
                 backend,

@@ -48,15 +48,22 @@ def shard_full(full: torch.Tensor, dim: int | None, partitions: int, tp: TPGroup
     return torch.cat(parts, dim=dim).contiguous()
 
 
+def merge_shards(pieces: list[torch.Tensor], dim: int | None, partitions: int) -> torch.Tensor:
+    """The TP=1 tensor from every rank's slice, in rank order (the inverse of :func:`shard_full`)."""
+    if dim is None or len(pieces) == 1:
+        return pieces[0]
+    per_rank_blocks = [_blocks(p, dim, partitions) for p in pieces]
+    blocks = [torch.cat([rank_blocks[b] for rank_blocks in per_rank_blocks], dim=dim) for b in range(partitions)]
+    return torch.cat(blocks, dim=dim)
+
+
 def gather_full(local: torch.Tensor, dim: int | None, partitions: int, tp: TPGroup) -> torch.Tensor:
     """The TP=1 tensor, assembled from every rank's slice (a collective over ``tp``)."""
     if dim is None or tp.size == 1:
         return local.detach().clone()
     pieces = [torch.empty_like(local) for _ in range(tp.size)]
     dist.all_gather(pieces, local.detach().contiguous(), group=tp.group)
-    per_rank_blocks = [_blocks(p, dim, partitions) for p in pieces]
-    blocks = [torch.cat([rank_blocks[b] for rank_blocks in per_rank_blocks], dim=dim) for b in range(partitions)]
-    return torch.cat(blocks, dim=dim)
+    return merge_shards(pieces, dim, partitions)
 
 
 def full_shape(local: torch.Tensor, tp_size: int) -> tuple[int, ...]:
@@ -109,3 +116,29 @@ def init_parameters(model: torch.nn.Module, seed: int, tp: TPGroup) -> None:
     for module in model.modules():
         if hasattr(module, "post_init"):
             module.post_init()
+
+
+# ---- whole models ---------------------------------------------------------------------------
+
+
+def gather_full_state(model: torch.nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` at its TP=1 shape (a collective: every TP rank calls it)."""
+    return {
+        name: gather_full(p, tp_dim(p), getattr(p, "tp_partitions", 1), tp).float()
+        for name, p in model.named_parameters()
+    }
+
+
+def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: TPGroup) -> None:
+    """Copy this rank's slice of every TP=1 tensor in ``state`` into ``model``; names must match."""
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"model state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            local = shard_full(state[name], tp_dim(p), getattr(p, "tp_partitions", 1), tp)
+            if local.shape != p.shape:
+                raise ValueError(f"{name}: saved shape {tuple(state[name].shape)} gives {tuple(local.shape)} "
+                                 f"on this rank, the model has {tuple(p.shape)}")
+            p.copy_(local)

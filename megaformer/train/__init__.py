@@ -1,0 +1,1 @@
+"""Training: the DeepSpeed engine, the schedule, checkpoints and the loop."""
