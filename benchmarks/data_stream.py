@@ -1,0 +1,150 @@
+"""Is the data stream fast enough? Streamed target tokens/s against what training consumes.
+
+    python benchmarks/data_stream.py [--data DIR] [--workers 1] [--max-tokens 4096] [--steps 3] [--json]
+
+1. Stream: one epoch of ``TokenBatchStream`` over the training split of ``--data`` (a
+   directory written by ``megaformer prepare``; without it the built-in corpus with
+   30000 pairs is prepared into a temporary directory) with ``--workers`` loader
+   workers (default 1), timed from ``iter()`` (worker start included) to the last
+   batch: target tokens (with eos) per second.
+2. Training: fp32 steps of the paper's base shape - ``torch.nn.Transformer`` (d_model
+   512, 8 heads, d_ff 2048, 6 + 6 layers, dropout 0.1) with one shared 8000-word
+   embedding scaled by sqrt(d) that is also the output projection, label smoothing
+   0.1, AdamW - on a batch of 32 x 30 tokens each side; one warm-up step, then the
+   median of ``--steps`` steps: target tokens per second consumed.
+
+The ratio stream / training should be at least 20: the stream must not be what
+training waits for. Both are measured in the same run (the machine drifts between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaformer import cli
+from megaformer.data.stream import TokenBatchStream
+
+D_MODEL, HEADS, D_FF, LAYERS, VOCAB, BATCH, LENGTH = 512, 8, 2048, 6, 8000, 32, 30
+TARGET_RATIO = 20.0
+
+
+def stream_tokens_per_second(data: Path, workers: int, max_tokens: int) -> dict:
+    """One epoch of the training stream: target tokens/s, batches, padding share."""
+    stream = TokenBatchStream(
+        data, "train", dp_rank=0, dp_size=1, max_tokens=max_tokens, num_workers=workers, repeat=False
+    )
+    tokens = slots = real = batches = 0
+    started = time.perf_counter()
+    for batch in stream:
+        tokens += batch.tgt_tokens
+        slots += batch.src.numel() + batch.tgt_out.numel()
+        real += batch.src_tokens + batch.tgt_tokens
+        batches += 1
+    seconds = time.perf_counter() - started
+    return {"tokens_per_s": tokens / seconds, "seconds": seconds, "batches": batches, "padding_waste": 1 - real / slots}
+
+
+class BaseTransformer(nn.Module):
+    """``nn.Transformer`` of the base shape with a shared, scaled embedding tied to the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D_MODEL)
+        nn.init.normal_(self.embed.weight, 0.0, D_MODEL**-0.5)
+        position = torch.arange(1024).unsqueeze(1)
+        angle = position * torch.exp(torch.arange(0, D_MODEL, 2) * (-math.log(10000.0) / D_MODEL))
+        table = torch.zeros(1024, D_MODEL)
+        table[:, 0::2], table[:, 1::2] = torch.sin(angle), torch.cos(angle)
+        self.register_buffer("positions", table, persistent=False)
+        self.dropout = nn.Dropout(0.1)
+        self.transformer = nn.Transformer(D_MODEL, HEADS, LAYERS, LAYERS, D_FF, 0.1, batch_first=True)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.embed(ids) * math.sqrt(D_MODEL) + self.positions[: ids.shape[1]])
+
+    def loss(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1])
+        hidden = self.transformer(self._embed(src), self._embed(tgt_in), tgt_mask=causal, tgt_is_causal=True)
+        logits = F.linear(hidden, self.embed.weight)  # (batch, tgt_len, vocab)
+        return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), label_smoothing=0.1)
+
+
+def train_tokens_per_second(steps: int) -> dict:
+    """fp32 training steps of the base shape on 32 x 30 tokens: target tokens/s (median step)."""
+    torch.manual_seed(0)
+    model = BaseTransformer()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    src, tgt_in, tgt_out = (torch.randint(4, VOCAB, (BATCH, LENGTH)) for _ in range(3))
+    times = []
+    for step in range(steps + 1):  # the first step warms up allocators and kernels
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model.loss(src, tgt_in, tgt_out).backward()
+        optimizer.step()
+        if step:
+            times.append(time.perf_counter() - started)
+    step_time = statistics.median(times)
+    return {"tokens_per_s": BATCH * LENGTH / step_time, "step_s": step_time}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, help="a prepared directory (default: the built-in corpus, 30000 pairs)")
+    parser.add_argument("--workers", type=int, default=1, help="loader workers (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch and side (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data
+        if data is None:
+            data = Path(tmp) / "synthetic"
+            if cli.main(["prepare", "--synthetic", "30000", "--out", str(data), "--quiet"]) != 0:
+                return 1
+        stream = stream_tokens_per_second(data, args.workers, args.max_tokens)
+    train = train_tokens_per_second(args.steps)
+    ratio = stream["tokens_per_s"] / train["tokens_per_s"]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "stream_tokens_per_s": round(stream["tokens_per_s"], 1),
+                    "train_tokens_per_s": round(train["tokens_per_s"], 1),
+                    "ratio": round(ratio, 1),
+                    "workers": args.workers,
+                    "max_tokens": args.max_tokens,
+                    "stream_batches": stream["batches"],
+                    "stream_seconds": round(stream["seconds"], 3),
+                    "padding_waste": round(stream["padding_waste"], 4),
+                    "train_step_s": round(train["step_s"], 3),
+                    "data": str(args.data or "built-in corpus (30000 pairs)"),
+                }
+            )
+        )
+    else:
+        print(
+            f"stream: {stream['tokens_per_s']:,.0f} target tokens/s with {args.workers} worker(s) "
+            f"({stream['batches']} batches of <= {args.max_tokens} tokens in {stream['seconds']:.2f}s, "
+            f"padding {stream['padding_waste']:.1%})"
+        )
+        print(
+            f"train:  {train['tokens_per_s']:,.0f} target tokens/s (base shape, fp32, {BATCH}x{LENGTH}, "
+            f"median step {train['step_s']:.2f}s)"
+        )
+        print(f"ratio:  {ratio:,.1f} (the stream should deliver at least {TARGET_RATIO:.0f}x what training consumes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Read parallel text (plain or gzip), normalise it, filter it and count every rejected pair.
+
+A corpus is a PREFIX with one file per language: ``PREFIX.en`` / ``PREFIX.de`` (or the
+same names ending in ``.gz``), one sentence a line, line *n* of one side translating
+line *n* of the other. Both sides are read in step, as bytes split on ``\\n`` only, so
+that a stray carriage return or Unicode line separator inside a sentence cannot shift
+one side against the other.
+
+Filtering happens in two stages, because two of the tests need token counts:
+
+* text stage (:class:`TextFilter`, here): ``not_utf8``, ``empty``, ``duplicate``;
+* token stage (:func:`length_reject`, applied by ``prepare`` after encoding):
+  ``too_long`` and ``ratio``, measured in sentencepiece tokens - the unit the
+  stream's ``max_len`` and ``max_tokens`` use.
+
+Only training text is filtered. Valid and test text keeps every line, in order, so
+that a BLEU reference keeps its line count; a line that is not UTF-8 there is an error.
+Every problem that concerns a whole file (missing, empty, unreadable gzip, line counts
+that differ) is a :class:`~megaformer.errors.DataError` naming the file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import unicodedata
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megaformer.errors import DataError
+
+# Every reason a training pair can be dropped, in the order the checks run.
+REJECT_REASONS: tuple[str, ...] = ("not_utf8", "empty", "duplicate", "too_long", "ratio")
+
+# Characters that text readers (Python's universal newlines, str.splitlines) treat as line
+# breaks: replaced by a space in the raw reference copies so that those keep one sentence a line.
+_LINE_BREAKS = str.maketrans({c: " " for c in "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
+def normalize(text: str) -> str:
+    """Unicode NFKC, every run of whitespace turned into one space, no leading or trailing space."""
+    return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
+def one_line(text: str) -> str:
+    """``text`` with line-breaking characters replaced by spaces (for the raw valid/test copies)."""
+    return text.translate(_LINE_BREAKS)
+
+
+def find_side(prefix: str | Path, lang: str) -> Path:
+    """``PREFIX.lang`` if it exists, else ``PREFIX.lang.gz``; a DataError naming both otherwise."""
+    plain = Path(f"{prefix}.{lang}")
+    for candidate in (plain, Path(f"{plain}.gz")):
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"{plain}: no such file (nor {plain}.gz)")
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes as stored (a ``.gz`` file is hashed compressed)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a plain or gzip file as bytes, without the line ending.
+
+    A file with no line at all is a DataError, as is a gzip file that is truncated or
+    not gzip: both name the file.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            empty = True
+            for line in f:
+                empty = False
+                yield line.rstrip(b"\n").rstrip(b"\r")
+            if empty:
+                raise DataError(f"{path}: file is empty")
+    except (OSError, EOFError, zlib.error) as err:
+        raise DataError(f"{path}: cannot be read ({err.__class__.__name__}: {err})") from None
+
+
+def _decode(line: bytes, number: int) -> str | None:
+    """UTF-8 text of a line (a leading byte-order mark dropped), or None if it is not UTF-8."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return text[1:] if number == 1 and text.startswith("\ufeff") else text
+
+
+def utf8_error(line: bytes, path: Path, number: int) -> DataError:
+    """The one-line error for a line that is not UTF-8: file, line, column and byte."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return DataError(f"{path}:{number}: not valid UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1})")
+    return DataError(f"{path}:{number}: not valid UTF-8")
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One side of a corpus as read: where it is, how many lines it had, its checksum."""
+
+    path: str
+    lang: str
+    lines: int
+    sha256: str
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "lang": self.lang, "lines": self.lines, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class Line:
+    """One aligned pair as read: ``raw_*`` is the decoded text (None if not UTF-8), ``number`` 1-based."""
+
+    number: int
+    src_path: Path
+    tgt_path: Path
+    raw_src: bytes
+    raw_tgt: bytes
+    src: str | None
+    tgt: str | None
+
+
+class ParallelCorpus:
+    """The two sides of a corpus, read in step.
+
+    Iterating yields one :class:`Line` per line. Afterwards :attr:`files` holds the
+    line count and checksum of both files. Line counts that differ are an error naming
+    both files and both counts, raised when the shorter file ends.
+    """
+
+    def __init__(self, prefix: str | Path, src_lang: str, tgt_lang: str) -> None:
+        self.prefix = str(prefix)
+        self.src_path = find_side(prefix, src_lang)
+        self.tgt_path = find_side(prefix, tgt_lang)
+        self.langs = (src_lang, tgt_lang)
+        self.files: list[SourceFile] = []
+
+    def __iter__(self) -> Iterator[Line]:
+        src_lines, tgt_lines = read_lines(self.src_path), read_lines(self.tgt_path)
+        number = 0
+        for number, raw_src in enumerate(src_lines, start=1):
+            raw_tgt = next(tgt_lines, None)
+            if raw_tgt is None:
+                self._mismatch(number - 1, number + sum(1 for _ in src_lines), longer_is_src=True)
+            yield Line(
+                number,
+                self.src_path,
+                self.tgt_path,
+                raw_src,
+                raw_tgt,
+                _decode(raw_src, number),
+                _decode(raw_tgt, number),
+            )
+        extra = sum(1 for _ in tgt_lines)
+        if extra:
+            self._mismatch(number, number + extra, longer_is_src=False)
+        self.files = [
+            SourceFile(str(self.src_path.resolve()), self.langs[0], number, file_sha256(self.src_path)),
+            SourceFile(str(self.tgt_path.resolve()), self.langs[1], number, file_sha256(self.tgt_path)),
+        ]
+
+    def _mismatch(self, shorter: int, longer: int, *, longer_is_src: bool) -> None:
+        src_n, tgt_n = (longer, shorter) if longer_is_src else (shorter, longer)
+        raise DataError(f"line counts differ: {self.src_path} has {src_n} lines, {self.tgt_path} has {tgt_n}")
+
+
+@dataclass
+class SplitCounts:
+    """What happened to the lines of one split: ``read == kept + sum(rejected.values())``."""
+
+    read: int = 0
+    kept: int = 0
+    rejected: Counter = field(default_factory=Counter)
+
+    def reject(self, reason: str) -> None:
+        assert reason in REJECT_REASONS, reason
+        self.rejected[reason] += 1
+
+    def to_json(self) -> dict:
+        return {"read": self.read, "kept": self.kept, "rejected": {r: self.rejected.get(r, 0) for r in REJECT_REASONS}}
+
+
+@dataclass(frozen=True)
+class FilterSettings:
+    """The training-data filters; each one can be switched off.
+
+    ``max_len``: tokens per side (without eos), 0 = no limit. ``max_ratio``: the longer
+    side may have at most this many times the tokens of the shorter, 0 = no limit.
+    ``on_bad_line``: ``"reject"`` counts a non-UTF-8 training line as a reject,
+    ``"error"`` stops with the file and line.
+    """
+
+    keep_empty: bool = False
+    dedup: bool = True
+    max_len: int = 256
+    max_ratio: float = 9.0
+    on_bad_line: str = "reject"
+
+    def to_json(self) -> dict:
+        return {
+            "keep_empty": self.keep_empty,
+            "dedup": self.dedup,
+            "max_len": self.max_len,
+            "max_ratio": self.max_ratio,
+            "on_bad_line": self.on_bad_line,
+        }
+
+
+class TextFilter:
+    """The text stage of training filtering: decoding, normalisation, empty sides, duplicates.
+
+    ``accept(line)`` returns the normalised ``(src, tgt)`` or None after counting the
+    reason in ``counts``. Duplicates are exact duplicates of the normalised pair; they are
+    remembered as 8-byte digests, so memory is ~70 bytes per kept pair.
+    """
+
+    def __init__(self, settings: FilterSettings, counts: SplitCounts) -> None:
+        self.settings = settings
+        self.counts = counts
+        self._seen: set[bytes] = set()
+
+    def accept(self, line: Line) -> tuple[str, str] | None:
+        self.counts.read += 1
+        if line.src is None or line.tgt is None:
+            if self.settings.on_bad_line == "error":
+                bad_path, bad_raw = (line.src_path, line.raw_src) if line.src is None else (line.tgt_path, line.raw_tgt)
+                raise utf8_error(bad_raw, bad_path, line.number)
+            self.counts.reject("not_utf8")
+            return None
+        src, tgt = normalize(line.src), normalize(line.tgt)
+        if not self.settings.keep_empty and (not src or not tgt):
+            self.counts.reject("empty")
+            return None
+        if self.settings.dedup:
+            digest = hashlib.blake2b(f"{src}\n{tgt}".encode(), digest_size=8).digest()
+            if digest in self._seen:
+                self.counts.reject("duplicate")
+                return None
+            self._seen.add(digest)
+        return src, tgt
+
+
+def length_reject(src_len: int, tgt_len: int, settings: FilterSettings) -> str | None:
+    """The token-stage reason to drop a training pair (``too_long`` / ``ratio``), or None to keep it."""
+    if settings.max_len and max(src_len, tgt_len) > settings.max_len:
+        return "too_long"
+    if settings.max_ratio and max(src_len, tgt_len) > settings.max_ratio * max(1, min(src_len, tgt_len)):
+        return "ratio"
+    return None
+
+
+def reference_text(line: Line) -> tuple[str, str]:
+    """The decoded (src, tgt) of a valid/test line; not UTF-8 is an error naming file and line there."""
+    if line.src is None:
+        raise utf8_error(line.raw_src, line.src_path, line.number)
+    if line.tgt is None:
+        raise utf8_error(line.raw_tgt, line.tgt_path, line.number)
+    return line.src, line.tgt

@@ -1,0 +1,137 @@
+"""``megaformer inspect DIR``: what a prepared directory holds, and how well it batches.
+
+Per split: lines read, kept and rejected by reason, samples, tokens, shards; a histogram
+of token lengths; the share of padding in the batches the training stream would build
+for one epoch at ``--max-tokens`` (both sides, eos/bos included, one DP rank).
+``--json`` prints the same as one JSON object (keys per split include ``read``,
+``kept``, ``rejected`` and ``padding_waste``). ``--verify`` also reads every shard
+through and checks its sample count and sha256; ``--spm MODEL`` checks that the data
+was made with that tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from megaformer.config import DataConfig
+from megaformer.data.corpus import file_sha256
+from megaformer.data.shards import manifest_path, read_manifest, read_shard
+from megaformer.data.stream import PlanSettings, open_prepared, padding_waste, plan_epoch
+from megaformer.errors import DataError
+
+BIN_WIDTH = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = DataConfig()
+    parser.add_argument("dir", metavar="DIR", help="a directory written by megaformer prepare")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=defaults.max_tokens,
+        metavar="N",
+        help="tokens per batch and side, with padding (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sort-buffer",
+        type=int,
+        default=defaults.sort_buffer,
+        metavar="N",
+        help="samples sorted by length together (default: %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
+    parser.add_argument("--verify", action="store_true", help="also read every shard and check its samples and sha256")
+    parser.add_argument("--spm", metavar="MODEL", help="check that the data was made with this sentencepiece model")
+
+
+def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False, spm: str | None = None) -> dict:
+    """The report as a dict (what ``--json`` prints)."""
+    mpath = manifest_path(path)
+    manifest = read_manifest(mpath)
+    defaults = DataConfig()
+    summary = {
+        "dir": str(mpath.parent),
+        "src_lang": manifest["src_lang"],
+        "tgt_lang": manifest["tgt_lang"],
+        "tokenizer": manifest["tokenizer"],
+        "max_tokens": max_tokens,
+        "splits": {},
+    }
+    for name, entry in manifest["splits"].items():
+        data = open_prepared(mpath, name, spm=spm)
+        settings = PlanSettings(
+            dp_size=1,
+            max_tokens=max_tokens,
+            max_len=0,
+            shuffle_buffer=defaults.shuffle_buffer,
+            sort_buffer=sort_buffer,
+            seed=defaults.seed,
+            shuffle=name == "train",
+        )
+        batches = plan_epoch(data, settings, epoch=0)[0].batches if len(data.lengths) else []
+        bins = int(data.lengths.max(initial=0)) // BIN_WIDTH + 1
+        summary["splits"][name] = {
+            "read": entry["read"],
+            "kept": entry["kept"],
+            "rejected": entry["rejected"],
+            "samples": entry["samples"],
+            "src_tokens": entry.get("src_tokens"),
+            "tgt_tokens": entry.get("tgt_tokens"),
+            "shards": len(entry["shards"]),
+            "batches": len(batches),
+            "padding_waste": round(padding_waste(batches, data.lengths), 5),
+            "length_histogram": {
+                "bin_width": BIN_WIDTH,
+                "src": np.bincount(data.lengths[:, 0] // BIN_WIDTH, minlength=bins).tolist(),
+                "tgt": np.bincount(data.lengths[:, 1] // BIN_WIDTH, minlength=bins).tolist(),
+            },
+        }
+        if verify:
+            for url, shard in zip(data.urls, entry["shards"]):
+                for _ in read_shard(url, expected=shard["samples"]):
+                    pass
+                if file_sha256(url) != shard.get("sha256"):
+                    raise DataError(f"{url}: sha256 differs from the one in {mpath} (changed after prepare)")
+    return summary
+
+
+def _report(summary: dict) -> str:
+    tok = summary["tokenizer"]
+    lines = [
+        f"{summary['dir']}: {summary['src_lang']} -> {summary['tgt_lang']}, tokenizer {tok['file']} "
+        f"({tok['vocab_size']} pieces, sha256 {tok['sha256'][:12]})",
+        "",
+    ]
+    lines.append(
+        f"{'split':<6} {'read':>9} {'kept':>9} {'samples':>9} {'src tok':>10} {'tgt tok':>10} {'shards':>6} "
+        f"{'batches':>7} {'padding':>8}  rejected"
+    )
+    for name, s in summary["splits"].items():
+        rejected = ", ".join(f"{k} {v}" for k, v in s["rejected"].items() if v) or "none"
+        lines.append(
+            f"{name:<6} {s['read']:>9,} {s['kept']:>9,} {s['samples']:>9,} {s['src_tokens'] or 0:>10,} "
+            f"{s['tgt_tokens'] or 0:>10,} {s['shards']:>6} {s['batches']:>7} {s['padding_waste']:>8.2%}  {rejected}"
+        )
+    lines.append(
+        f"(padding: share of padded slots, both sides, in one epoch of batches of <= {summary['max_tokens']} tokens)"
+    )
+    for name, s in summary["splits"].items():
+        hist = s["length_histogram"]
+        peak = max(max(hist["src"]), max(hist["tgt"]), 1)
+        lines += ["", f"{name}: tokens per sentence (without eos)     source | target"]
+        for i, (a, b) in enumerate(zip(hist["src"], hist["tgt"])):
+            lo = i * hist["bin_width"]
+            bar = lambda n: "#" * round(30 * n / peak)  # noqa: E731
+            lines.append(f"  {lo:>4}-{lo + hist['bin_width'] - 1:<4} {a:>8,} {bar(a):<30} | {b:>8,} {bar(b)}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise DataError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    summary = summarize(args.dir, args.max_tokens, args.sort_buffer, args.verify, args.spm)
+    print(json.dumps(summary, indent=1) if args.json else _report(summary))
+    return 0

@@ -1,0 +1,552 @@
+"""Stream prepared shards as length-grouped token batches: split by DP rank, resumable.
+
+**The epoch plan.** Before an epoch starts, every process computes the same *plan*
+from the lengths index alone (no shard is opened); the plan fixes which samples form
+which batch, for every DP rank:
+
+1. shard order: the shards in a random order drawn from ``(seed, epoch)``;
+2. rank share: the samples in that order cut into ``dp_size`` contiguous parts of
+   equal size (+-1) - by sample index, not by shard, so fewer shards than ranks x
+   workers still works, and each rank reads only ~1/dp of the data;
+3. shuffle buffer: each sample moves up to ``shuffle_buffer`` places (seeded by
+   ``(seed, epoch, rank)``);
+4. batching: windows of ``sort_buffer`` consecutive samples are sorted by length (the
+   longer side, then the side difference, ties broken at random), cut greedily into
+   batches with ``batch * max_len_src <= max_tokens`` and ``batch * max_len_tgt <=
+   max_tokens`` (lengths with eos / bos), and the window's batches are shuffled;
+5. equal counts: a rank with fewer batches than the busiest rank splits its largest
+   batches in two until the counts match. Collective training cannot hang on a rank
+   that ran out of data (webdataset #194, #225), and no sample is dropped or repeated:
+   every sample is in exactly one batch of one rank per epoch.
+
+Samples longer than ``max_len`` tokens on either side are left out of every epoch (a
+warning says how many); ``prepare`` normally filtered them already.
+
+**Workers.** Loader workers read and decode; they do not decide anything. The shards
+a rank reads in an epoch (one *run* per shard: the part of it in the rank's share) are
+dealt to the workers in turn, so no tar header is parsed twice; workers send decoded
+samples in chunks to the main process, which pads them into the planned batches and
+hands those out in plan order, holding about one sort window of decoded samples. So
+the batches do not depend on the number of workers (a rank reading fewer shards than
+it has workers just leaves some idle), and the stream's position is two numbers,
+``(epoch, batches)``.
+
+**Resume.** :meth:`TokenBatchStream.state_dict` holds that position and the settings the
+plan was made with. Loading it continues with exactly the batches that would have come
+next (any worker count). If the settings changed (another DP size, ``max_tokens``...),
+the samples the old ranks had not yet consumed in that epoch are planned again with
+the new settings, so that epoch still sees every sample once; later epochs use the new
+settings throughout. This assumes, as synchronous data-parallel training guarantees,
+that every DP rank had consumed the same number of batches.
+
+Tensor-parallel peers pass the same ``dp_rank`` and receive identical batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from megaformer.config import DataConfig
+from megaformer.data.shards import PreparedSplit, open_prepared, read_shard, scan_shards, shard_urls
+from megaformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from megaformer.errors import ConfigError, DataError
+
+__all__ = [
+    "Batch", "TokenBatchStream", "PlanSettings", "RankPlan", "plan_epoch", "padding_waste", "collate",
+    # Re-exported from megaformer.data.shards: opening what the stream reads.
+    "PreparedSplit", "open_prepared", "scan_shards", "shard_urls",
+]  # fmt: skip
+
+
+@dataclass
+class Batch:
+    """One micro-batch, ready for the model.
+
+    ``ids`` are the samples' indices in their split (for valid/test: the line number,
+    0-based), so that translations can be put back in corpus order.
+    """
+
+    src: torch.LongTensor  # (batch, src_len), right-padded with pad_id, each row ends with eos
+    tgt_in: torch.LongTensor  # (batch, tgt_len), bos + target ids, padded
+    tgt_out: torch.LongTensor  # (batch, tgt_len), target ids + eos, padded
+    src_tokens: int  # non-pad tokens in src
+    tgt_tokens: int  # non-pad tokens in tgt_out
+    ids: torch.LongTensor | None = None  # (batch,) sample indices in the split
+
+    def __len__(self) -> int:
+        return self.src.shape[0]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        return dataclasses.replace(
+            self,
+            src=fn(self.src),
+            tgt_in=fn(self.tgt_in),
+            tgt_out=fn(self.tgt_out),
+            ids=None if self.ids is None else fn(self.ids),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        """Called by a DataLoader with ``pin_memory=True``."""
+        return self._apply(torch.Tensor.pin_memory)
+
+
+# ---------------------------------------------------------------------------------------
+# The epoch plan: a pure function of the lengths and the settings.
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Everything the batches of an epoch depend on (not the rank, not the worker count)."""
+
+    dp_size: int
+    max_tokens: int
+    max_len: int
+    shuffle_buffer: int
+    sort_buffer: int
+    seed: int
+    shuffle: bool
+
+
+@dataclass
+class RankPlan:
+    """One rank's epoch: ``read`` = sample ids in the order its shards are read; ``batches`` in order."""
+
+    read: np.ndarray
+    batches: list[np.ndarray]
+
+
+def _rng(*words: int) -> np.random.Generator:
+    return np.random.default_rng([int(w) for w in words])
+
+
+def _cut(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list[np.ndarray]:
+    """Cut ``order`` (sorted so that ``longest`` never decreases) into the fewest greedy batches that fit."""
+    batches, start, n = [], 0, len(order)
+    while start < n:
+        cap = min(n - start, max_tokens // int(longest[start]))
+        # (k + 1) * longest[start + k] never decreases with k: the first k that overflows ends the batch.
+        cost = np.arange(1, cap + 1) * longest[start : start + cap]
+        size = max(1, int(np.searchsorted(cost, max_tokens, side="right")))
+        batches.append(order[start : start + size])
+        start += size
+    return batches
+
+
+def _rank_batches(ids: np.ndarray, lengths: np.ndarray, s: PlanSettings, epoch: int, rank: int) -> list[np.ndarray]:
+    """Steps 3 and 4 of the plan for one rank's share ``ids`` (in read order)."""
+    if s.shuffle and s.shuffle_buffer > 1:
+        jitter = _rng(s.seed, epoch, rank, 1).random(len(ids)) * s.shuffle_buffer
+        ids = ids[np.argsort(np.arange(len(ids)) + jitter, kind="stable")]
+    batches: list[np.ndarray] = []
+    windows = max(1, -(-len(ids) // max(1, s.sort_buffer)))
+    for w, window in enumerate(np.array_split(ids, windows)):
+        if len(window) == 0:
+            continue
+        rng = _rng(s.seed, epoch, rank, 2, w)
+        src, tgt = lengths[window, 0] + 1, lengths[window, 1] + 1  # with eos (src) / bos or eos (tgt)
+        longest, diff = np.maximum(src, tgt), tgt - src
+        ties = rng.permutation(len(window)) if s.shuffle else np.arange(len(window))
+        # Snake through the side difference (ascending for even lengths, descending for odd):
+        # neighbours in this order are close in both lengths, so both sides pad little.
+        order = np.lexsort((ties, np.where(longest % 2 == 0, diff, -diff), longest))
+        cut = _cut(window[order], longest[order], s.max_tokens)
+        batches.extend(cut[i] for i in (rng.permutation(len(cut)) if s.shuffle else range(len(cut))))
+    return batches
+
+
+def _equalize(plans: list[RankPlan], split: str) -> None:
+    """Step 5: split the largest batches of the ranks that have fewer, until all counts match."""
+    target = max(len(p.batches) for p in plans)
+    for rank, plan in enumerate(plans):
+        while len(plan.batches) < target:
+            sizes = [len(b) for b in plan.batches]
+            big = int(np.argmax(sizes)) if sizes else -1
+            if big < 0 or sizes[big] < 2:
+                raise DataError(
+                    f"split {split}: rank {rank} has {len(plan.read)} samples, too few for {target} batches "
+                    f"like the other ranks: use fewer data-parallel ranks or a smaller max_tokens"
+                )
+            half = len(plan.batches[big]) // 2
+            plan.batches[big : big + 1] = [plan.batches[big][:half], plan.batches[big][half:]]
+
+
+def plan_epoch(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.ndarray | None = None) -> list[RankPlan]:
+    """The plan of every rank for ``epoch``; ``available`` (bool per sample) limits it to some samples."""
+    lengths = data.lengths
+    shards = (
+        _rng(s.seed, epoch, 0).permutation(len(data.shard_sizes)) if s.shuffle else np.arange(len(data.shard_sizes))
+    )
+    offsets = data.offsets
+    order = (
+        np.concatenate([np.arange(offsets[k], offsets[k + 1]) for k in shards])
+        if len(shards)
+        else np.zeros(0, np.int64)
+    )
+    keep = np.ones(len(lengths), dtype=bool) if available is None else available.copy()
+    if s.max_len > 0:
+        keep &= lengths.max(axis=1, initial=0) <= s.max_len
+    order = order[keep[order]]
+    if available is not None and len(order) < s.dp_size:
+        # The rest of an epoch re-planned for more ranks than samples are left: it cannot give
+        # every rank a batch, so those few samples wait for the next epoch.
+        if len(order):
+            warnings.warn(
+                f"split {data.split}: the {len(order)} samples left in epoch {epoch} are fewer than "
+                f"{s.dp_size} ranks and are skipped until the next epoch",
+                stacklevel=2,
+            )
+        return [RankPlan(order[:0], []) for _ in range(s.dp_size)]
+    plans = [RankPlan(part, []) for part in np.array_split(order, s.dp_size)]
+    for rank, plan in enumerate(plans):
+        plan.batches = _rank_batches(plan.read, lengths, s, epoch, rank)
+    _equalize(plans, data.split)
+    return plans
+
+
+def padding_waste(batches: Sequence[np.ndarray], lengths: np.ndarray) -> float:
+    """Share of the token slots of ``batches`` (both sides, with eos/bos) that hold padding."""
+    slots = real = 0
+    for batch in batches:
+        src, tgt = lengths[batch, 0] + 1, lengths[batch, 1] + 1
+        slots += len(batch) * (int(src.max()) + int(tgt.max()))
+        real += int(src.sum() + tgt.sum())
+    return 1.0 - real / slots if slots else 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# Reading samples (inside loader workers) and building batches (in the main process).
+
+
+def collate(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], ids: np.ndarray, pad_id: int, bos_id: int, eos_id: int
+) -> Batch:
+    """Pad source and target ids into a :class:`Batch` (src + eos; bos + tgt; tgt + eos)."""
+    src_len = np.fromiter((len(s) for s, _ in pairs), dtype=np.int64, count=len(pairs))
+    tgt_len = np.fromiter((len(t) for _, t in pairs), dtype=np.int64, count=len(pairs))
+    rows = np.arange(len(pairs))
+    src = np.full((len(pairs), int(src_len.max()) + 1), pad_id, dtype=np.int64)
+    src[np.arange(src.shape[1]) < src_len[:, None]] = np.concatenate([s for s, _ in pairs])
+    src[rows, src_len] = eos_id
+    width = int(tgt_len.max()) + 1
+    tgt_ids = np.concatenate([t for _, t in pairs])
+    tgt_in = np.full((len(pairs), width), pad_id, dtype=np.int64)
+    tgt_in[:, 0] = bos_id
+    tgt_in[:, 1:][np.arange(width - 1) < tgt_len[:, None]] = tgt_ids
+    tgt_out = np.full((len(pairs), width), pad_id, dtype=np.int64)
+    tgt_out[np.arange(width) < tgt_len[:, None]] = tgt_ids
+    tgt_out[rows, tgt_len] = eos_id
+    return Batch(
+        torch.from_numpy(src),
+        torch.from_numpy(tgt_in),
+        torch.from_numpy(tgt_out),
+        int(src_len.sum()) + len(pairs),
+        int(tgt_len.sum()) + len(pairs),
+        torch.from_numpy(ids.astype(np.int64)),
+    )
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Decoded samples travelling from a worker to the main process as four flat arrays."""
+
+    ids: np.ndarray
+    lengths: np.ndarray  # (n, 2)
+    src: np.ndarray
+    tgt: np.ndarray
+
+    @staticmethod
+    def pack(samples: list[tuple[int, np.ndarray, np.ndarray]]) -> _Chunk:
+        return _Chunk(
+            np.fromiter((i for i, _, _ in samples), dtype=np.int64, count=len(samples)),
+            np.array([(len(s), len(t)) for _, s, t in samples], dtype=np.int64).reshape(-1, 2),
+            np.concatenate([s for _, s, _ in samples]),
+            np.concatenate([t for _, _, t in samples]),
+        )
+
+    def unpack(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        srcs = np.split(self.src, np.cumsum(self.lengths[:-1, 0]))
+        tgts = np.split(self.tgt, np.cumsum(self.lengths[:-1, 1]))
+        return zip(self.ids.tolist(), srcs, tgts)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A DataError met in a worker, sent as a value (a raised one reaches the main process with a traceback)."""
+
+    message: str
+
+
+def _as_is(item: object) -> object:
+    return item
+
+
+class _RunReader(IterableDataset):
+    """Reads shard runs ``w, w + W, ...`` (worker ``w`` of ``W``) and yields their wanted samples in chunks.
+
+    A *run* is the part of one shard that a rank reads: ``(shard, wanted positions)``.
+    Workers read disjoint runs, so no tar header is parsed twice.
+    """
+
+    def __init__(self, data: PreparedSplit, runs: list[tuple[int, np.ndarray]], chunk: int = 512) -> None:
+        self.data, self.runs, self.chunk = data, runs, chunk
+
+    def __iter__(self) -> Iterator[_Chunk | _Failure]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        try:
+            for shard, wanted in self.runs[worker::workers]:
+                offset = int(self.data.offsets[shard])
+                samples = []
+                for position, src, tgt in read_shard(
+                    self.data.urls[shard], wanted=wanted, expected=self.data.shard_sizes[shard]
+                ):
+                    samples.append((offset + position, src, tgt))
+                    if len(samples) == self.chunk:
+                        yield _Chunk.pack(samples)
+                        samples = []
+                if samples:
+                    yield _Chunk.pack(samples)
+        except DataError as err:
+            yield _Failure(str(err))
+
+
+def _runs(data: PreparedSplit, read: np.ndarray, needed: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The shard runs of a rank's read order that hold needed samples, in read order."""
+    ids = read[needed[read]]
+    if len(ids) == 0:
+        return []
+    offsets = data.offsets
+    shard_of = np.searchsorted(offsets, ids, side="right") - 1
+    starts = np.flatnonzero(np.diff(shard_of, prepend=-1))
+    runs = []
+    for a, b in zip(starts, list(starts[1:]) + [len(ids)]):
+        shard = int(shard_of[a])
+        wanted = np.zeros(data.shard_sizes[shard], dtype=bool)
+        wanted[ids[a:b] - offsets[shard]] = True
+        runs.append((shard, wanted))
+    return runs
+
+
+# ---------------------------------------------------------------------------------------
+# The stream.
+
+
+def _is_shard_spec(source: str) -> bool:
+    """Whether ``source`` names shards (a URL, a pipe, a brace pattern, a .tar) rather than a prepared directory."""
+    return (
+        "://" in source
+        or source.startswith(("pipe:", "file:"))
+        or "{" in source
+        or "::" in source
+        or (source.endswith((".tar", ".tgz", ".tar.gz")) and not Path(source).is_dir())
+    )
+
+
+class TokenBatchStream:
+    """Token-count batches of one split for one data-parallel rank; resumable.
+
+    ``source``: a prepared directory (or its ``manifest.json``), a :class:`PreparedSplit`
+    (from :func:`open_prepared`, e.g. with shards read from elsewhere), or shard URLs
+    without a manifest (a webdataset spec or a list; they are read once to learn the
+    lengths). ``spm`` checks a prepared directory against the tokenizer the caller uses.
+
+    Iterating yields :class:`Batch` es from the current position: with ``repeat=True``
+    (training) it never ends and moves on to the next epoch by itself; with
+    ``repeat=False`` (evaluation) it ends with the current epoch and the next ``iter()``
+    runs the following one. Handing out an epoch's last batch moves :attr:`epoch` on
+    (and :attr:`position` back to 0). ``shuffle=False`` keeps shard order and length
+    order (for evaluation). Use one iterator at a time: the position belongs to the stream.
+    """
+
+    def __init__(
+        self,
+        source: str | Path | Sequence[str] | PreparedSplit,
+        split: str = "train",
+        *,
+        dp_rank: int,
+        dp_size: int,
+        max_tokens: int,
+        num_workers: int = 0,
+        shuffle_buffer: int = 10000,
+        sort_buffer: int = 100000,
+        seed: int = 0,
+        pad_id: int = PAD_ID,
+        bos_id: int = BOS_ID,
+        eos_id: int = EOS_ID,
+        max_len: int = 256,
+        shuffle: bool = True,
+        repeat: bool = True,
+        epoch: int = 0,
+        spm: str | Path | None = None,
+    ) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ConfigError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        if max_tokens < 1 or num_workers < 0 or epoch < 0:
+            raise ConfigError(
+                f"max_tokens must be >= 1, num_workers and epoch >= 0 (got {max_tokens}, {num_workers}, {epoch})"
+            )
+        if isinstance(source, PreparedSplit):
+            self.data = source
+        elif isinstance(source, (str, Path)) and not _is_shard_spec(str(source)):
+            self.data = open_prepared(source, split, spm=spm)
+        else:
+            self.data = scan_shards(source, split)
+        if self.data.manifest is not None and (pad_id, bos_id, eos_id) != self.data.special_ids:
+            raise DataError(
+                f"{self.data.manifest}: pad/bos/eos ids are {self.data.special_ids}, not {(pad_id, bos_id, eos_id)}"
+            )
+        self.split, self.dp_rank, self.num_workers, self.repeat = split, dp_rank, num_workers, repeat
+        self.special_ids = (pad_id, bos_id, eos_id)
+        self.settings = PlanSettings(dp_size, max_tokens, max_len, shuffle_buffer, sort_buffer, seed, shuffle)
+        self._check_lengths()
+        self._epoch, self._batches = epoch, 0
+        self._history: list[tuple[PlanSettings, int]] = []  # earlier plans of this epoch (after a settings change)
+        self._cached: tuple[tuple, RankPlan] | None = None
+
+    @classmethod
+    def from_config(
+        cls, data: DataConfig, split: str, *, dp_rank: int, dp_size: int, shuffle: bool = True, repeat: bool = True
+    ) -> TokenBatchStream:
+        """The stream of ``split`` of the prepared directory ``data.path``, with the sizes of ``data``."""
+        return cls(
+            data.path, split, dp_rank=dp_rank, dp_size=dp_size, max_tokens=data.max_tokens,
+            num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, sort_buffer=data.sort_buffer,
+            seed=data.seed, max_len=data.max_len, shuffle=shuffle, repeat=repeat,
+        )  # fmt: skip
+
+    def _check_lengths(self) -> None:
+        where = self.data.manifest or (self.data.urls[0] if self.data.urls else self.split)
+        longest = self.data.lengths.max(axis=1, initial=0) if len(self.data.lengths) else np.zeros(0, np.int64)
+        kept = longest <= self.settings.max_len if self.settings.max_len > 0 else np.ones(len(longest), dtype=bool)
+        self.excluded = int((~kept).sum())
+        if not kept.any():
+            raise DataError(f"{where}: split {self.split} has no sample to stream (max_len={self.settings.max_len})")
+        if self.excluded:
+            warnings.warn(
+                f"{where}: {self.excluded} samples of split {self.split} are longer than max_len="
+                f"{self.settings.max_len} tokens and are left out of every epoch",
+                stacklevel=3,
+            )
+        need = int(longest[kept].max()) + 1
+        if need > self.settings.max_tokens:
+            raise DataError(
+                f"max_tokens={self.settings.max_tokens} cannot hold the longest {self.split} sample "
+                f"({need} tokens with eos): raise max_tokens to at least {need} or lower max_len"
+            )
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Batches of the current epoch already handed out."""
+        return self._batches
+
+    def _plan(self) -> RankPlan:
+        key = (self._epoch, self.settings, tuple(self._history))
+        if self._cached is None or self._cached[0] != key:
+            available = None
+            for settings, consumed in self._history:
+                used = np.zeros(len(self.data.lengths), dtype=bool)
+                for plan in plan_epoch(self.data, settings, self._epoch, available):
+                    for batch in plan.batches[:consumed]:
+                        used[batch] = True
+                available = ~used if available is None else available & ~used
+            self._cached = (key, plan_epoch(self.data, self.settings, self._epoch, available)[self.dp_rank])
+        return self._cached[1]
+
+    def batches_per_epoch(self) -> int:
+        """Batches in the current epoch (the same on every DP rank)."""
+        return len(self._plan().batches)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield from self._run(self._plan(), self._batches)
+            if not self.repeat:
+                return
+
+    def _next_epoch(self) -> None:
+        self._epoch, self._batches, self._history = self._epoch + 1, 0, []
+
+    def _run(self, plan: RankPlan, start: int) -> Iterator[Batch]:
+        """Batches ``start ..`` of ``plan``: workers decode the samples, this process pads them in plan order."""
+        batches = plan.batches[start:]
+        if not batches:
+            self._next_epoch()
+            return
+        needed = np.zeros(len(self.data.lengths), dtype=bool)
+        needed[np.concatenate(batches)] = True
+        runs = _runs(self.data, plan.read, needed)
+        reader = _RunReader(self.data, runs)
+        workers = min(self.num_workers, len(runs))
+        chunks = (
+            iter(reader)
+            if workers == 0
+            else iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_as_is, prefetch_factor=4))
+        )
+        store: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # decoded, not yet batched: about one sort window
+        have = np.zeros(len(self.data.lengths), dtype=bool)
+        for index, ids in enumerate(batches, start=start):
+            while not have[ids].all():
+                item = next(chunks, None)
+                if isinstance(item, _Failure) or item is None:
+                    del chunks  # stop the workers now, not when the caller drops the traceback
+                    if item is None:
+                        item = _Failure(
+                            f"split {self.split}: sample {int(ids[~have[ids]][0])} was not found in the shards"
+                        )
+                    raise DataError(item.message)
+                have[item.ids] = True
+                store.update((i, (src, tgt)) for i, src, tgt in item.unpack())
+            batch = collate([store.pop(int(j)) for j in ids], ids, *self.special_ids)
+            # Counted before the caller sees the batch: a checkpoint taken now resumes after it.
+            if index + 1 == len(plan.batches):
+                self._next_epoch()
+            else:
+                self._batches = index + 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        """The position (epoch, batches handed out) and the plan settings; small and JSON-safe."""
+        return {
+            "version": 1,
+            "split": self.split,
+            "samples": len(self.data.lengths),
+            "epoch": self._epoch,
+            "batches": self._batches,
+            "settings": dataclasses.asdict(self.settings),
+            "history": [{"settings": dataclasses.asdict(s), "batches": n} for s, n in self._history],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where ``state`` was taken (see the module docstring for changed settings)."""
+        try:
+            if state["version"] != 1:
+                raise DataError(f"stream state version {state['version']} is not supported")
+            saved = PlanSettings(**state["settings"])
+            history = [(PlanSettings(**h["settings"]), int(h["batches"])) for h in state["history"]]
+            epoch, batches = int(state["epoch"]), int(state["batches"])
+        except (KeyError, TypeError) as err:
+            raise DataError(f"not a stream state (missing or wrong {err})") from None
+        if state["split"] != self.split or state["samples"] != len(self.data.lengths):
+            raise DataError(
+                f"stream state is for split {state['split']} with {state['samples']} samples, "
+                f"this stream reads {self.split} with {len(self.data.lengths)}"
+            )
+        if saved == self.settings:
+            self._history, self._batches = history, batches
+        else:
+            self._history, self._batches = history + [(saved, batches)], 0
+        self._epoch = epoch
