@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Transformer (base), WMT en-de: one node of 8 GPUs, data parallel (parallel.tp=1).
+#   sbatch slurm/train_base.sh --set data.path=/data/wmt14_en_de
+#SBATCH --job-name=megaformer-base
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@180
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+
+CONFIG=${CONFIG:-configs/transformer_base.yaml}
+# shellcheck source=slurm/common.sh
+source "${SLURM_SUBMIT_DIR:-$PWD}/slurm/common.sh"

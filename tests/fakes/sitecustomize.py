@@ -1,0 +1,96 @@
+"""Fault injection for the training tests, loaded by Python at start-up when this folder is on PYTHONPATH.
+
+MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
+
+- ``kill``: SIGKILL this process after optimizer step N (on rank R);
+- ``kill_in_save``: SIGKILL right after this rank wrote its model file of checkpoint N;
+- ``usr1`` / ``term``: send SIGUSR1 / SIGTERM to this process after step N;
+- ``overflow``: make step N's loss infinite (fp16 overflow).
+
+Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import signal
+import sys
+
+SPEC = os.environ.get("MEGAFORMER_TEST_FAULT", "")
+
+
+def _parse(spec):
+    what, *rest = spec.split(":")
+    fields = dict(item.split("=", 1) for item in rest)
+    return what, int(fields.get("rank", -1)), int(fields.get("step", 0))
+
+
+def _mine(rank):
+    return rank < 0 or int(os.environ.get("RANK", "0")) == rank
+
+
+def _patch_trainer(module):
+    what, rank, step = _parse(SPEC)
+    original = module.Trainer.step
+
+    def step_with_fault(self, flags):
+        target = self.engine.ds.global_steps + 1
+        if what == "overflow" and target == step:
+            loss_fn = self.model.loss
+            self.model.loss = lambda *a, **k: (lambda out: (out[0] * float("inf"), out[1]))(loss_fn(*a, **k))
+            try:
+                return original(self, flags)
+            finally:
+                del self.model.loss
+        result = original(self, flags)
+        if self.engine.ds.global_steps == step and _mine(rank):
+            sig = {"kill": signal.SIGKILL, "usr1": signal.SIGUSR1, "term": signal.SIGTERM}.get(what)
+            if sig is not None:
+                sys.stdout.flush()
+                os.kill(os.getpid(), sig)
+        return result
+
+    module.Trainer.step = step_with_fault
+
+
+def _patch_checkpoint(module):
+    what, rank, step = _parse(SPEC)
+    original = module.atomic_torch_save
+
+    def save_then_die(obj, path):
+        original(obj, path)
+        name = os.path.basename(str(path))
+        if name.startswith("model-") and f"step-{step:08d}" in str(path) and _mine(rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    module.atomic_torch_save = save_then_die
+
+
+PATCHES = {"megaformer.train.trainer": _patch_trainer}
+if SPEC.startswith("kill_in_save"):
+    PATCHES = {"megaformer.train.checkpoint": _patch_checkpoint}
+
+
+class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name not in PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        self._real = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._real.create_module(spec)
+
+    def exec_module(self, module):
+        self._real.exec_module(module)
+        PATCHES[module.__name__](module)
+
+
+if SPEC:
+    sys.meta_path.insert(0, _Hook())

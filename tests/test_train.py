@@ -1,0 +1,269 @@
+"""Training end to end on CPU (gloo, several processes): layouts, exact resume, faults, signals, precision.
+
+Every run trains configs/tiny.yaml on the built-in corpus. Faults (a rank killed, a kill
+during a checkpoint write, signals, an fp16 overflow) are injected from outside the
+package by tests/fakes/sitecustomize.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKES = ROOT / "tests" / "fakes"
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("corpus") / "synthetic"
+    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out),
+                           "--quiet"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def common(corpus: Path) -> list[str]:
+    return [f"data.path={corpus}", "data.max_tokens=512", "data.num_workers=0", "train.tokens_per_step=1024",
+            "train.log_interval=1", "train.eval_interval=0", "train.save_interval=10", "train.keep_last=5"]
+
+
+def train(run_dir: Path, nproc: int, sets: list[str], fault: str = "", extra_env: dict | None = None,
+          resume: str = "auto", timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{FAKES}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
+           "MEGAFORMER_TEST_FAULT": fault, **(extra_env or {})}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    args = [sys.executable, "-m", "megaformer.cli", "train", "--config", str(TINY), "--run-dir", str(run_dir),
+            "--nproc", str(nproc), "--resume", resume]
+    for s in sets:
+        args += ["--set", s]
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def losses(run_dir: Path) -> dict[int, dict]:
+    """The last record logged for each step (a resumed run logs the replayed steps again)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "train":
+            out[r["step"]] = r
+    return out
+
+
+def ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def falling(curve: dict[int, dict]) -> bool:
+    steps = sorted(curve)
+    first = sum(curve[s]["loss"] for s in steps[:5]) / 5
+    last = sum(curve[s]["loss"] for s in steps[-5:]) / 5
+    return last < first - 0.5
+
+
+# ---- reference runs, shared by several tests -------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tp2_run(corpus, tmp_path_factory) -> Path:
+    """TP=2, 30 steps, dropout on, checkpoints every 10 steps: the uninterrupted reference."""
+    run = tmp_path_factory.mktemp("tp2") / "run"
+    ok(train(run, 2, common(corpus) + ["parallel.tp=2", "train.max_steps=30"]))
+    return run
+
+
+@pytest.fixture(scope="session")
+def dp2_run(corpus, tmp_path_factory) -> Path:
+    """DP=2 with ZeRO-2, 30 steps."""
+    run = tmp_path_factory.mktemp("dp2") / "run"
+    ok(train(run, 2, common(corpus) + ["train.zero_stage=2", "train.max_steps=30"]))
+    return run
+
+
+def test_tp2_trains_with_falling_loss(tp2_run):
+    curve = losses(tp2_run)
+    assert sorted(curve) == list(range(1, 31))
+    assert falling(curve), [round(curve[s]["loss"], 3) for s in sorted(curve)]
+    for key in ("step", "loss", "lr", "grad_norm", "loss_scale", "tokens", "tokens_per_s", "mfu"):
+        assert key in curve[30]
+    assert all(math.isfinite(curve[s]["grad_norm"]) for s in curve)
+    assert (tp2_run / "config.yaml").is_file() and (tp2_run / "tensorboard").is_dir()
+
+
+def test_dp2_zero2_trains_with_falling_loss(dp2_run):
+    assert falling(losses(dp2_run))
+
+
+def test_tp2_dp2_trains_with_falling_loss(corpus, tmp_path):
+    run = tmp_path / "run"
+    ok(train(run, 4, common(corpus) + ["parallel.tp=2", "train.zero_stage=2", "train.max_steps=30",
+                                       "train.save_interval=0"]))
+    assert falling(losses(run))
+
+
+def test_tp2_loss_curve_equals_tp1(corpus, tp2_run, tmp_path):
+    """Exact-mode dropout makes TP=2 follow TP=1; here with dropout on (stronger than off)."""
+    run = tmp_path / "tp1"
+    ok(train(run, 1, common(corpus) + ["train.max_steps=10", "train.save_interval=0"]))
+    one, two = losses(run), losses(tp2_run)
+    for step in range(1, 11):
+        assert abs(one[step]["loss"] - two[step]["loss"]) <= 1e-4 * abs(one[step]["loss"]), step
+
+
+# ---- exact resume after faults -------------------------------------------------------------------------
+
+
+def test_kill_and_resume_is_exact(corpus, tp2_run, tmp_path):
+    """A rank killed at step 13, then a kill while checkpoint 20 is written: the curve equals the uninterrupted one."""
+    run = tmp_path / "run"
+    sets = common(corpus) + ["parallel.tp=2", "train.max_steps=30"]
+    first = train(run, 2, sets, fault="kill:rank=1:step=13")
+    assert first.returncode != 0
+    assert (run / "checkpoints" / "step-00000010" / "meta.json").is_file()
+    second = train(run, 2, sets, fault="kill_in_save:rank=0:step=20")
+    assert second.returncode != 0
+    assert "resumed from" in second.stdout and "step-00000010" in second.stdout
+    assert not (run / "checkpoints" / "step-00000020").exists()
+    assert (run / "checkpoints" / ".step-00000020.tmp").exists()  # the torn write, never loaded
+    third = train(run, 2, sets)
+    ok(third)
+    assert "step-00000010 (step 10" in third.stdout  # fell back over the torn step 20
+    assert "unfinished" in third.stdout
+    resumed, reference = losses(run), losses(tp2_run)
+    assert sorted(resumed) == list(range(1, 31))
+    for step in range(1, 31):
+        assert resumed[step]["loss"] == reference[step]["loss"], step
+
+
+# ---- resume at another layout -----------------------------------------------------------------------
+
+
+def _resume_from(src_run: Path, step: int, dst: Path) -> None:
+    (dst / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src_run / "checkpoints" / f"step-{step:08d}", dst / "checkpoints" / f"step-{step:08d}")
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_resume_at_other_tp(corpus, tp2_run, tmp_path, tp):
+    run = tmp_path / "run"
+    _resume_from(tp2_run, 10, run)
+    proc = train(run, tp, common(corpus) + [f"parallel.tp={tp}", "train.max_steps=12", "train.save_interval=0"])
+    ok(proc)
+    assert f"layout tp=2 dp=1 -> tp={tp} dp=1" in proc.stdout
+    resumed, reference = losses(run), losses(tp2_run)
+    for step in (11, 12):  # the first step and the next: Adam's moments were carried, no restart spike
+        assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-5 * reference[step]["loss"], step
+        assert abs(resumed[step]["grad_norm"] - reference[step]["grad_norm"]) <= 1e-4 * reference[step]["grad_norm"]
+
+
+def test_resume_at_smaller_dp(corpus, dp2_run, tmp_path):
+    run = tmp_path / "run"
+    _resume_from(dp2_run, 10, run)
+    proc = train(run, 1, common(corpus) + ["train.zero_stage=2", "train.max_steps=12", "train.save_interval=0"])
+    ok(proc)
+    assert "layout tp=1 dp=2 -> tp=1 dp=1" in proc.stdout and "(2 data streams)" in proc.stdout
+    resumed, reference = losses(run), losses(dp2_run)
+    for step in (11, 12):
+        assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-5 * reference[step]["loss"], step
+
+
+def test_reshard_and_export_commands(tp2_run, tmp_path):
+    from megaformer.train.checkpoint import consolidate, load_consolidated, read_meta
+
+    out = tmp_path / "tp4"
+    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "reshard", "--in", str(tp2_run), "--out", str(out),
+                           "--tp", "4"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    ok(proc)
+    step_dir = out / "step-00000030"
+    meta = read_meta(step_dir)
+    assert meta["layout"]["tp"] == 4 and len([f for f in meta["files"] if f.startswith("model-")]) == 4
+    model_file = tmp_path / "model.pt"
+    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "export", "--ckpt", str(tp2_run), "--out",
+                           str(model_file)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    ok(proc)
+    exported = load_consolidated(model_file)
+    resharded = consolidate(step_dir)
+    assert exported.tokenizer and exported.meta["step"] == 30
+    for name, tensor in exported.model.items():
+        assert torch.equal(tensor, resharded.model[name]), name
+
+
+# ---- signals ------------------------------------------------------------------------------------------------
+
+
+def test_usr1_saves_and_requeues_once(corpus, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "scontrol.log"
+    env = {"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "FAKE_SCONTROL_LOG": str(log)}
+    # The warning reaches one rank of two: both agree to stop after the same step.
+    proc = train(run, 2, common(corpus) + ["train.max_steps=30", "train.save_interval=0"],
+                 fault="usr1:rank=1:step=5", extra_env=env)
+    ok(proc)
+    # Ranks agree on signals in the next step's all-reduce: both stop after step 6.
+    assert json.loads((run / "checkpoints" / "step-00000006" / "meta.json").read_text())["reason"] == "SIGUSR1"
+    assert log.read_text().splitlines() == ["requeue 4242"]
+    assert max(losses(run)) == 6
+
+
+def test_sigterm_saves_without_requeue(corpus, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "scontrol.log"
+    env = {"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4243", "FAKE_SCONTROL_LOG": str(log)}
+    proc = train(run, 1, common(corpus) + ["train.max_steps=30", "train.save_interval=0"], fault="term:step=4",
+                 extra_env=env)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert json.loads((run / "checkpoints" / "step-00000005" / "meta.json").read_text())["reason"] == "SIGTERM"
+    assert not log.exists()
+
+
+def test_requeue_refuses_without_progress(monkeypatch, tmp_path):
+    from megaformer.train.signals import requeue
+
+    log = tmp_path / "scontrol.log"
+    monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("FAKE_SCONTROL_LOG", str(log))
+    said = []
+    assert requeue(made_progress=False, log=said.append) is False
+    assert "not requeueing" in said[0] and not log.exists()
+    assert requeue(made_progress=True, log=said.append) is True
+    assert log.read_text() == "requeue 7\n"
+
+
+# ---- precision -------------------------------------------------------------------------------------------
+
+
+def test_bf16_trains(corpus, tmp_path):
+    run = tmp_path / "run"
+    ok(train(run, 1, common(corpus) + ["train.precision=bf16", "train.zero_stage=1", "train.max_steps=25",
+                                       "train.save_interval=0"]))
+    assert falling(losses(run))
+
+
+def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):
+    run = tmp_path / "run"
+    ok(train(run, 1, common(corpus) + ["train.precision=fp16", "train.zero_stage=1", "train.max_steps=25",
+                                       "train.fp16_hysteresis=1", "train.save_interval=25"], fault="overflow:step=8"))
+    curve = losses(run)
+    assert falling({s: r for s, r in curve.items() if math.isfinite(r["loss"])})
+    assert curve[7]["skipped_steps"] == 0 and curve[8]["skipped_steps"] == 1
+    assert curve[8]["loss_scale"] == curve[7]["loss_scale"] / 2
+    assert curve[8]["lr"] == curve[7]["lr"]  # the skipped step did not advance the schedule
+    from megaformer.train.checkpoint import consolidate
+
+    weights = consolidate(run / "checkpoints" / "step-00000025").model
+    assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+def test_mixed_precision_needs_zero(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "train", "--config", str(TINY), "--run-dir",
+                           str(tmp_path), "--set", "train.precision=bf16", "--set", "train.zero_stage=0",
+                           "--set", f"data.path={tmp_path}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "train.zero_stage=1" in proc.stderr and "Traceback" not in proc.stderr
