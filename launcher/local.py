@@ -79,7 +79,10 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             if p.is_alive():
                 p.terminate()
         for p in procs:
-            p.join()
+            p.join(timeout=15)  # a rank blocked in a collective, or one that traps SIGTERM to save
+            if p.is_alive():
+                p.kill()
+                p.join()
     codes = [p.exitcode for p in procs]
     if worst == 0:
         worst = max((abs(c) for c in codes if c), default=0)

@@ -166,6 +166,9 @@ def find_latest(path: str | Path, log=print) -> Path | None:
     Torn or incomplete ones are skipped, each with a line through ``log``.
     """
     root = checkpoint_root(Path(path))
+    if root.is_dir():
+        for partial in sorted(root.glob(".step-*.tmp")):
+            log(f"checkpoint: ignoring unfinished {partial.name} (a save that did not complete)")
     for step_dir in list_checkpoints(root):
         try:
             check_complete(step_dir)

@@ -47,8 +47,11 @@ def main(args: argparse.Namespace) -> int:
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
         raise ConfigError(f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc")
+    from megaformer.train.engine import check_precision
+
     layout = ParallelLayout.from_config(cfg.parallel, world)  # fail before any process starts
     layout.validate_model(cfg.model)
+    check_precision(cfg.train)
     if info.source == "single" and world > 1:
         return spawn(_rank_main, world, cfg, run_dir, args.resume)
     if info.source == "single":

@@ -250,10 +250,28 @@ def adam_step(engine: Engine) -> int:
     return 0
 
 
+def _create_optimizer_state(engine: Engine) -> None:
+    """Adam creates its moments at the first step; a resume sets them before it, so make them now.
+
+    ZeRO links each parameter to its fragment of the flat optimizer state only after
+    the first step too: link it (DeepSpeed's own lazy-initialisation hook).
+    """
+    opt = engine.ds.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if not inner.state.get(p):
+                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                  "exp_avg_sq": torch.zeros_like(p)}
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._lazy_init_hp_params_optimizer_state()
+
+
 def import_state(engine: Engine, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
     """Load :func:`export_state` tensors (this rank's TP shape) into the model and the optimizer."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+    _create_optimizer_state(engine)
     inner = getattr(engine.ds.optimizer, "optimizer", engine.ds.optimizer)
     for name, p in engine.module.named_parameters():
         value = state["param"][name].to(p.device)
