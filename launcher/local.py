@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -50,11 +51,12 @@ def _entry(fn: Callable[..., int | None], rank: int, world_size: int, port: int,
     os._exit(int(code or 0))
 
 
-def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float = 1800.0) -> int:
+def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
     """Run ``fn(*args)`` in ``world_size`` fresh processes; return the worst exit status.
 
     ``fn`` must be importable (a module-level function). Torch threads are divided
-    among the ranks so that N processes do not oversubscribe the cores.
+    among the ranks so that N processes do not oversubscribe the cores. With
+    ``timeout_s`` the ranks still running then are stopped (status 124).
     """
     threads = max(1, (os.cpu_count() or 1) // world_size)
     port = free_port()
@@ -65,16 +67,29 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout_s
+    # Pass SIGTERM / SIGINT / SIGUSR1 sent to this launcher on to every rank (they save and
+    # stop together), instead of dying and leaving the ranks running.
+    forwarded = []
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
     worst = 0
     try:
         while any(p.is_alive() for p in procs):
             failed = [p for p in procs if p.exitcode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
+            if (failed and not forwarded) or time.monotonic() > deadline:  # after a forwarded signal: let all finish
                 worst = failed[0].exitcode if failed else 124
                 break
             time.sleep(0.05)
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for p in procs:
             if p.is_alive():
                 p.terminate()

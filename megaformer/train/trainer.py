@@ -31,6 +31,31 @@ from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 
 
+def accumulate(engine: Engine, batches, tokens: float, label_smoothing: float) -> float:
+    """Back-propagate each micro-batch of one optimizer step and step; returns this rank's summed loss.
+
+    ``tokens``: the step's target tokens summed over the DP group. Each micro-batch's
+    summed loss is scaled by ``accumulation x dp / tokens``: DeepSpeed divides by the
+    accumulation steps and averages over DP, so the update follows the mean loss per
+    target token of the whole step.
+    """
+    ds = engine.ds
+    scale = engine.accumulation * engine.ctx.dp_size / tokens
+    loss_sum, done = 0.0, 0
+    for batch in batches:
+        b = batch.to(engine.ctx.device)
+        loss, _ = engine.module.loss(b.src, b.tgt_in, b.tgt_out, label_smoothing)
+        ds.backward(loss * scale)
+        done += 1
+        if done == engine.accumulation:
+            engine.note_grad_norm()
+        ds.step()
+        loss_sum += loss.item()
+    if done != engine.accumulation:
+        raise RuntimeError(f"{done} micro-batches for an accumulation of {engine.accumulation}")
+    return loss_sum
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext, run_dir: Path, resume: str = "auto") -> None:
         self.cfg, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
@@ -155,24 +180,18 @@ class Trainer:
         A single all-reduce per step carries the token count and the flags (signals received,
         time up), so that every rank stops at the same step.
         """
-        ds = self.engine.ds
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
         reduced = self._world_sum([local] + flags)
         tokens, flags = reduced[0] / self.ctx.layout.tp, reduced[1:]
-        scale = self.feed.accumulation * self.ctx.dp_size / tokens
-        smoothing = self.cfg.train.label_smoothing
-        loss_sum = 0.0
-        for i, m in enumerate(micro):
-            self.feed.use_rng_of(m.stream)
-            b = m.batch.to(self.ctx.device)
-            loss, _ = self.model.loss(b.src, b.tgt_in, b.tgt_out, smoothing)
-            ds.backward(loss * scale)
-            if i == len(micro) - 1:
-                self.engine.note_grad_norm()
-            ds.step()
-            self.feed.save_rng_of(m.stream)
-            loss_sum += loss.item()
+
+        def batches():
+            for m in micro:
+                self.feed.use_rng_of(m.stream)  # the dropout masks of the stream the batch came from
+                yield m.batch
+                self.feed.save_rng_of(m.stream)
+
+        loss_sum = accumulate(self.engine, batches(), tokens, self.cfg.train.label_smoothing)
         return loss_sum, tokens, flags
 
     @torch.no_grad()
