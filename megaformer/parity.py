@@ -74,13 +74,14 @@ def check_parity(
         )
     vocab = cfg.data.vocab_size
     smoothing = cfg.train.label_smoothing
-    src, tgt_in, tgt_out = random_batch(vocab, batch, src_len, tgt_len, cfg.train.seed)
+    device = ctx.device
+    src, tgt_in, tgt_out = (t.to(device) for t in random_batch(vocab, batch, src_len, tgt_len, cfg.train.seed))
 
     def build(tp, sp):
-        rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng)
+        rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng, device=device)
         return Transformer(
             cfg.model, vocab, tp, rng, seed=cfg.train.seed, sequence_parallel=sp, vocab_multiple=cfg.parallel.vocab_multiple
-        )
+        ).to(device)
 
     def loss_and_logits(model):
         start = model.rng.get_state()

@@ -1,0 +1,283 @@
+"""``megaformer translate``: raw text in, detokenized translations out, in input order.
+
+Lines are encoded with the sentencepiece model stored in the checkpoint (plus the eos
+every training source ends with), sorted by length and cut into batches of at most
+``--max-tokens`` source tokens (batch size x longest source, padding included; a longer
+sentence goes alone), searched (:mod:`megaformer.decode.beam`), and written back in
+input order. An empty line gives an empty line. Progress (sentences/s) goes to stderr.
+
+``--tp N`` > 1 starts N local processes (gloo on a CPU, nccl with GPUs), each holding
+1/N of every layer; they search in lock step and rank 0 hands the hypotheses back.
+Tokenization, checks and output stay in this process, so bad input fails before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+import torch
+
+from megaformer.config import ParallelConfig
+from megaformer.decode.beam import Hypothesis, SearchSettings, search
+from megaformer.decode.loading import build_model, check_layout, load_model_file, load_tokenizer
+from megaformer.errors import ConfigError, DataError, MegaformerError
+from megaformer.model import Transformer
+from megaformer.parallel import LOCAL, ParallelContext
+from megaformer.train.checkpoint import Consolidated
+
+EOS_ID, PAD_ID = 3, 0
+
+
+# ---- text -----------------------------------------------------------------------------------
+
+
+def read_lines(path: str | Path | None) -> list[str]:
+    """The lines of a UTF-8 file (stdin for None or "-"), without their line ends; '' stays a line."""
+    try:
+        if path is None or str(path) == "-":
+            text = sys.stdin.buffer.read().decode("utf-8")
+        else:
+            text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a directory, expected a text file") from None
+    except UnicodeDecodeError as err:
+        line = _line_of(err)
+        raise DataError(f"{path or 'stdin'}: not UTF-8 text (line {line})") from None
+    if text.endswith("\n"):
+        text = text[:-1]
+    return [line.rstrip("\r") for line in text.split("\n")] if text else []
+
+
+def _line_of(err: UnicodeDecodeError) -> int:
+    """1-based line number of a decoding error."""
+    return err.object[: err.start].count(b"\n") + 1
+
+
+def write_lines(path: str | Path | None, lines: Sequence[str]) -> None:
+    """Write ``lines`` (one per line) to ``path``, or to stdout for None or "-"."""
+    text = "".join(line + "\n" for line in lines)
+    if path is None or str(path) == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as err:
+        raise DataError(f"{path}: cannot write ({err.strerror})") from None
+
+
+def encode_lines(sp: spm.SentencePieceProcessor, lines: Sequence[str], max_positions: int, source: str) -> list[list[int]]:
+    """Token ids + eos of each line; [] for a blank line. A line the model cannot hold is a DataError."""
+    out = []
+    for number, line in enumerate(lines, start=1):
+        ids = sp.encode(line) if line.strip() else []
+        if ids:
+            ids.append(EOS_ID)
+            if len(ids) > max_positions:
+                raise DataError(f"{source}: line {number} has {len(ids)} tokens with eos; "
+                                f"the model holds at most model.max_positions={max_positions}: split the line")
+        out.append(ids)
+    return out
+
+
+# ---- batching and search --------------------------------------------------------------------
+
+
+def make_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of the non-empty sources, longest first, cut so that batch size x longest <= max_tokens."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def pad_batch(sources: Sequence[Sequence[int]], device: torch.device | str) -> torch.Tensor:
+    """(batch, longest) right-padded ids."""
+    longest = max(len(s) for s in sources)
+    out = torch.full((len(sources), longest), PAD_ID, dtype=torch.long)
+    for row, ids in enumerate(sources):
+        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.to(device)
+
+
+class Progress:
+    """Sentences done and sentences/s on stderr, at most once a second, and a last line."""
+
+    def __init__(self, total: int, enabled: bool = True) -> None:
+        self.total, self.enabled = total, enabled
+        self.start = self.last = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if self.enabled and now - self.last >= 1.0 and done < self.total:
+            self.last = now
+            rate = done / max(now - self.start, 1e-9)
+            print(f"translated {done}/{self.total} sentences ({rate:.1f} sentences/s)",
+                  end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self, done: int) -> float:
+        seconds = time.monotonic() - self.start
+        if self.enabled:
+            print(f"translated {done} sentences in {seconds:.1f} s ({done / max(seconds, 1e-9):.1f} sentences/s)",
+                  file=sys.stderr, flush=True)
+        return seconds
+
+
+def translate_ids(
+    model: Transformer,
+    sources: Sequence[Sequence[int]],
+    settings: SearchSettings,
+    max_tokens: int,
+    progress: Callable[[int], None] | None = None,
+) -> list[Hypothesis | None]:
+    """The best hypothesis of each source (None for an empty one), in input order.
+
+    Every rank of ``model.tp`` must call this with the same arguments.
+    """
+    device = next(model.parameters()).device
+    out: list[Hypothesis | None] = [None] * len(sources)
+    done = 0
+    for batch in make_batches([len(s) for s in sources], max_tokens):
+        for i, hyp in zip(batch, search(model, pad_batch([sources[i] for i in batch], device), settings)):
+            out[i] = hyp
+        done += len(batch)
+        if progress is not None:
+            progress(done)
+    return out
+
+
+# ---- one process or several ----------------------------------------------------------------
+
+
+def _rank_main(
+    ckpt: str, sources: list[list[int]], settings: SearchSettings, max_tokens: int, tp: int, result: str, quiet: bool
+) -> int:
+    """One TP rank of :func:`run_translation` (started by ``launcher.local.spawn``)."""
+    ctx = ParallelContext.initialize(ParallelConfig(tp=tp), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    try:
+        model = build_model(load_model_file(ckpt), ctx.tp, ctx.device, source=ckpt)
+        progress = Progress(sum(1 for s in sources if s), enabled=ctx.is_main and not quiet)
+        hyps = translate_ids(model, sources, settings, max_tokens, progress)
+        seconds = progress.close(sum(1 for s in sources if s))
+        if ctx.is_main:
+            rows = [None if h is None else [h.tokens, h.score, h.logprob] for h in hyps]
+            Path(result).write_text(json.dumps({"hypotheses": rows, "seconds": seconds}))
+    finally:
+        ctx.destroy()
+    return 0
+
+
+def run_translation(
+    ckpt: str | Path,
+    model: Consolidated,
+    sources: list[list[int]],
+    settings: SearchSettings,
+    max_tokens: int,
+    tp: int = 1,
+    quiet: bool = False,
+) -> tuple[list[Hypothesis | None], float]:
+    """Translate ``sources`` (ids + eos) with ``model`` at ``tp`` ranks; (hypotheses, seconds searching).
+
+    tp = 1 searches in this process (on a GPU if there is one); tp > 1 starts tp local
+    processes that read ``ckpt`` again and return rank 0's result through a file.
+    """
+    if tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {tp}")
+    check_layout(model, tp, source=str(ckpt))
+    if tp == 1:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        net = build_model(model, LOCAL, device, source=str(ckpt))
+        progress = Progress(sum(1 for s in sources if s), enabled=not quiet)
+        hyps = translate_ids(net, sources, settings, max_tokens, progress)
+        return hyps, progress.close(sum(1 for s in sources if s))
+
+    from launcher.local import spawn  # the launcher is imported only when processes are started
+
+    with tempfile.TemporaryDirectory(prefix="megaformer-translate-") as tmp:
+        result = Path(tmp) / "result.json"
+        code = spawn(_rank_main, tp, str(ckpt), sources, settings, max_tokens, tp, str(result), quiet)
+        if code != 0 or not result.is_file():
+            raise MegaformerError(f"{tp} decoding processes failed (exit status {code}); their messages are above")
+        data = json.loads(result.read_text())
+    hyps = [None if r is None else Hypothesis(r[0], r[1], r[2]) for r in data["hypotheses"]]
+    return hyps, data["seconds"]
+
+
+def translate_text(
+    ckpt: str | Path,
+    model: Consolidated,
+    lines: Sequence[str],
+    settings: SearchSettings,
+    *,
+    max_tokens: int = 4096,
+    tp: int = 1,
+    quiet: bool = False,
+    source: str = "input",
+) -> tuple[list[str], float]:
+    """Detokenized translations of raw ``lines`` ('' for blank lines) and the seconds spent searching.
+
+    ``model`` is the file ``ckpt`` already read (:func:`load_model_file`); ``source``
+    names the input in error messages.
+    """
+    if max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {max_tokens}")
+    if 2 * settings.beam > model.vocab_size - 2:
+        raise ConfigError(f"--beam {settings.beam} is too large for a vocabulary of {model.vocab_size}")
+    sp = load_tokenizer(model, source=str(ckpt))
+    sources = encode_lines(sp, lines, model.config.model.max_positions, source)
+    hyps, seconds = run_translation(ckpt, model, sources, settings, max_tokens, tp, quiet)
+    return ["" if h is None else sp.decode(h.tokens) for h in hyps], seconds
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+
+def add_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``translate`` and ``evaluate``; unset ones come from the checkpoint's config."""
+    parser.add_argument("--ckpt", required=True, help="model file, checkpoint step directory, or run directory (its newest checkpoint)")
+    parser.add_argument("--beam", type=int, help="beam size (default: the checkpoint's decode.beam, the paper's 4)")
+    parser.add_argument("--lenpen", type=float, help="length penalty alpha (default: decode.lenpen, the paper's 0.6)")
+    parser.add_argument("--max-len-a", type=float, help="at most a * source length + b output tokens (default: decode.max_len_a)")
+    parser.add_argument("--max-len-b", type=int, help="(default: decode.max_len_b)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch, padding included (default 4096)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes to decode with (default 1)")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchSettings:
+    try:
+        return SearchSettings.from_config(model.config.decode, beam=args.beam, lenpen=args.lenpen,
+                                          max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input", help="text to translate, one sentence a line (default: stdin)")
+    parser.add_argument("--output", help="where the translations go (default: stdout)")
+    add_search_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    lines = read_lines(args.input)
+    model = load_model_file(args.ckpt)
+    out, _ = translate_text(args.ckpt, model, lines, settings_from_args(args, model), max_tokens=args.max_tokens,
+                            tp=args.tp, quiet=args.quiet, source=args.input or "stdin")
+    write_lines(args.output, out)
+    return 0
