@@ -7,7 +7,11 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # Install the local CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install test test-fast clean
+# make multi30k DATA=../shared/data/multi30k: prepare, train <= 60 min, average, evaluate en->de.
+DATA ?= ../shared/data/multi30k
+M30K := runs/multi30k
+
+.PHONY: install test demo multi30k clean
 
 install: $(VENV)/.installed
 
@@ -19,6 +23,18 @@ $(VENV)/.installed: setup.py
 
 test: install
 	$(PY) -m pytest -q tests
+
+demo: install
+	$(PY) -m megaformer.demo
+
+multi30k: install
+	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
+		--test $(DATA)/test_2016_flickr --vocab-size 8000 --out $(M30K)/data --force
+	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data \
+		--run-dir $(M30K)/run --nproc 2 --resume auto
+	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K)/run --out $(M30K)/averaged.pt
+	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged.pt --src $(M30K)/data/test.en \
+		--ref $(M30K)/data/test.de --out $(M30K)/test.hyp
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -41,6 +41,36 @@ class DecoderCache:
                 layer[name] = t.index_select(0, index)
 
 
+def freeze_key_bias(bias: torch.Tensor, blocks: int, key_block: int) -> None:
+    """Keep the key part of a fused projection's bias at exactly zero.
+
+    A bias on the keys adds q . b to every score of a query: softmax is unchanged, so its
+    true gradient is zero and what backward computes is rounding noise, which Adam
+    (eps 1e-9) would turn into steps of size lr. The hook zeroes that part of the
+    gradient, so the bias stays at its initial zero and runs do not depend on noise
+    (a different grouping of micro-batches, another TP size).
+    """
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad.view(blocks, -1)[key_block].zero_()
+        return grad
+
+    bias.register_hook(hook)
+
+
+def split_heads(fused: torch.Tensor, blocks: int, heads: int, head_dim: int) -> list[torch.Tensor]:
+    """(batch, len, blocks * heads * head_dim) -> ``blocks`` strided views (batch, heads, len, head_dim).
+
+    Views, not copies: SDPA takes strided inputs. Splitting the last dimension (rather
+    than unbinding a (blocks, batch, heads, len, head_dim) permutation) makes the
+    backward one ``cat`` of the gradients straight into the fused layout; unbind's
+    backward stacks them and then copies the stack into that layout.
+    """
+    b, t = fused.shape[:2]
+    return [block.view(b, t, heads, head_dim).transpose(1, 2) for block in fused.split(heads * head_dim, dim=-1)]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,6 +123,7 @@ class SelfAttention(nn.Module):
         self.rng = rng
         self.attention_dropout = attention_dropout
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, tp, partitions=3, sequence_parallel=sequence_parallel)
+        freeze_key_bias(self.qkv.bias, blocks=3, key_block=1)
         self.out = RowParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
 
     def forward(
@@ -103,7 +134,7 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv(x)  # (batch, len, 3 * heads * head_dim), this rank's heads
         b, t = qkv.shape[:2]
-        q, k, v = qkv.view(b, t, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (batch, heads, len, head_dim)
+        q, k, v = split_heads(qkv, 3, self.heads, self.head_dim)  # each (batch, heads, len, head_dim)
         causal = self.causal
         if cache is not None:
             if cache:
@@ -134,6 +165,7 @@ class CrossAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.q = ColumnParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
         self.kv = ColumnParallelLinear(d_model, 2 * d_model, tp, partitions=2, sequence_parallel=sequence_parallel)
+        freeze_key_bias(self.kv.bias, blocks=2, key_block=0)
         self.out = RowParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
 
     def forward(
@@ -149,8 +181,7 @@ class CrossAttention(nn.Module):
         if cache:
             k, v = cache["k"], cache["v"]
         else:
-            kv = self.kv(memory)
-            k, v = kv.view(b, kv.shape[1], 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # (batch, heads, src_len, head_dim)
+            k, v = split_heads(self.kv(memory), 2, self.heads, self.head_dim)  # each (batch, heads, src_len, head_dim)
             if cache is not None:
                 cache["k"], cache["v"] = k, v
         p = self.attention_dropout if self.training else 0.0

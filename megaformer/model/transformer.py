@@ -77,7 +77,7 @@ class Transformer(nn.Module):
         self.sequence_parallel = sequence_parallel and tp.size > 1
         sp = self.sequence_parallel
         self.embed = VocabParallelEmbedding(
-            padded_vocab_size(vocab_size, tp.size, vocab_multiple), cfg.d_model, tp, pad_id, sp
+            padded_vocab_size(vocab_size, tp.size, vocab_multiple), cfg.d_model, tp, pad_id, sp, vocab_size
         )
         self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
         self.embed_dropout = Dropout(cfg.dropout, rng, split_dim=SEQ_DIM if sp else None)

@@ -49,6 +49,8 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        if gather_output and partitions > 1:
+            raise ValueError("gather_output with stacked blocks would interleave them by rank: gather each block instead")
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp.size > 1
@@ -99,6 +101,8 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:  # nothing to sum: the bias rides in the matmul (addmm), one pass fewer
+            return F.linear(x, self.weight, self.bias)
         y = F.linear(x, self.weight)  # (..., out_features), a partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp)
@@ -126,11 +130,13 @@ class VocabParallelEmbedding(nn.Module):
         tp: TPGroup,
         padding_idx: int | None = None,
         sequence_parallel: bool = False,
+        real_num_embeddings: int | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.num_embeddings = num_embeddings
+        self.real_num_embeddings = real_num_embeddings or num_embeddings  # rows past it only pad the table
         self.padding_idx = padding_idx
         local = _divide(num_embeddings, tp.size, "padded vocabulary size")
         self.vocab_start = tp.rank * local
@@ -139,9 +145,12 @@ class VocabParallelEmbedding(nn.Module):
         mark_sharded(self.weight, dim=0, init=f"normal:{embedding_dim ** -0.5}")
 
     def post_init(self) -> None:
-        if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
-            with torch.no_grad():
+        """Zero the padding id's row and the rows that only pad the table to a multiple of tp x 8."""
+        with torch.no_grad():
+            if self.padding_idx is not None and self.vocab_start <= self.padding_idx < self.vocab_end:
                 self.weight[self.padding_idx - self.vocab_start].zero_()
+            first_pad = max(self.real_num_embeddings - self.vocab_start, 0)
+            self.weight[first_pad:].zero_()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

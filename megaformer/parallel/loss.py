@@ -21,51 +21,62 @@ from megaformer.parallel.groups import TPGroup
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    # The (tokens, V / p) logits are by far the largest tensors of the step, so every
+    # full pass over them counts: the padded columns (a suffix of the last ranks'
+    # slices) are left out through views instead of masked copies, and exp(z - m) is
+    # written once into the buffer that becomes the softmax and then the gradient.
+
     @staticmethod
     def forward(ctx, logits, target, tp: TPGroup, vocab_size: int, smoothing: float, ignore_index: int):
         local = logits.shape[-1]
         start = tp.rank * local
+        real_cols = max(0, min(local, vocab_size - start))  # this rank's real vocabulary rows, a prefix
         ctx.dtype = logits.dtype
         logits = logits.float()
-        real = (torch.arange(start, start + local, device=logits.device) < vocab_size)  # (V/p,)
-        z = logits.masked_fill(~real, float("-inf")) if not bool(real.all()) else logits.clone()
+        z = logits[:, :real_cols]  # (N, real_cols) view
 
-        m = z.max(dim=-1).values  # (N,)
+        if real_cols > 0:
+            m = z.amax(dim=-1)  # (N,)
+        else:
+            m = logits.new_full(logits.shape[:1], float("-inf"))
         if tp.size > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp.group)
-        z.sub_(m.unsqueeze(-1))
 
         in_range = (target >= start) & (target < start + local)
         local_t = (target - start).masked_fill(~in_range, 0)
-        z_t = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        sum_z = z.masked_fill(~real, 0.0).sum(-1) if smoothing > 0 else torch.zeros_like(m)
-        exp = z.exp_()  # z is no longer needed: reuse its storage for exp(z - m)
+        z_t = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+        sum_z = z.sum(-1) if smoothing > 0 else torch.zeros_like(m)  # of the raw logits; m is subtracted below
+        exp = torch.sub(logits, m.unsqueeze(-1)).exp_()  # (N, V/p): becomes the softmax, then the gradient
+        exp[:, real_cols:] = 0.0  # padded rows never get probability
         stats = torch.stack([exp.sum(-1), z_t, sum_z])  # (3, N)
         if tp.size > 1:
             dist.all_reduce(stats, group=tp.group)
         sum_exp, z_t, sum_z = stats
         log_s = sum_exp.log()
-        loss = (1.0 - smoothing) * (log_s - z_t)
+        loss = (1.0 - smoothing) * (log_s - (z_t - m))
         if smoothing > 0:
-            loss = loss + smoothing * (log_s - sum_z / vocab_size)
+            loss = loss + smoothing * (log_s - (sum_z / vocab_size - m))
         keep = target != ignore_index
         loss = loss.masked_fill(~keep, 0.0)
 
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, this rank's slice
-        ctx.save_for_backward(exp, local_t, in_range, keep, real)
-        ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
+        ctx.save_for_backward(exp, local_t, in_range, keep)
+        ctx.smoothing, ctx.vocab_size, ctx.real_cols = smoothing, vocab_size, real_cols
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_t, in_range, keep, real = ctx.saved_tensors
-        grad = softmax  # reused in place: backward runs once
-        grad.scatter_add_(
-            -1, local_t.unsqueeze(-1), -(1.0 - ctx.smoothing) * in_range.to(grad.dtype).unsqueeze(-1)
-        )
-        if ctx.smoothing > 0:
-            grad.sub_(real.to(grad.dtype) * (ctx.smoothing / ctx.vocab_size))
-        grad.mul_((grad_loss * keep).unsqueeze(-1))
+        softmax, local_t, in_range, keep = ctx.saved_tensors
+        eps = ctx.smoothing
+        g = (grad_loss * keep).unsqueeze(-1)  # (N, 1)
+        grad = softmax  # reused in place: backward runs once; padded columns stay 0
+        real = grad[:, : ctx.real_cols]
+        if eps > 0:
+            # (softmax - eps / V) * g over the real columns in one pass
+            torch.addcmul(g * (-eps / ctx.vocab_size), real, g, out=real)
+        else:
+            real.mul_(g)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * in_range.unsqueeze(-1) * g)
         return grad.to(ctx.dtype), None, None, None, None, None
 
 
