@@ -10,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 # make multi30k DATA=../shared/data/multi30k: prepare, train <= 60 min, average, evaluate en->de.
 DATA ?= ../shared/data/multi30k
 M30K := runs/multi30k
+# bf16 where the CPU computes it natively (AVX512-BF16 / AMX), fp32 elsewhere.
+M30K_PRECISION ?= $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo fp32)
 
 .PHONY: install test demo multi30k clean
 
@@ -31,6 +33,7 @@ multi30k: install
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
 		--test $(DATA)/test_2016_flickr --vocab-size 8000 --out $(M30K)/data --force
 	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data \
+		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) \
 		--run-dir $(M30K)/run --nproc 2 --resume auto
 	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K)/run --out $(M30K)/averaged.pt
 	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged.pt --src $(M30K)/data/test.en \
