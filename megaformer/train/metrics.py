@@ -3,7 +3,7 @@
 MFU = achieved training FLOP/s (6 x parameters x target tokens per second) divided by
 the peak of all devices together: ``train.peak_tflops`` per device when set, otherwise a
 table of known GPUs (dense bf16/fp16 tensor-core peak) or, on a CPU, a matmul of the
-training precision measured once at start-up.
+training precision measured once at start-up by every rank at the same time (summed).
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ import signal
 import subprocess
 import sys
 
-import torch
-import torch.distributed as dist
 
 NONE, REQUEUE, TERMINATE = 0, 1, 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -37,14 +35,6 @@ class SignalWatch:
 
     def _note(self, what: int) -> None:
         self.received = max(self.received, what)  # TERM wins over USR1
-
-    def poll(self, group_initialized: bool) -> int:
-        """The strongest signal any rank has received (one tiny all-reduce)."""
-        if not group_initialized:
-            return self.received
-        t = torch.tensor([self.received], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():

@@ -85,7 +85,11 @@ class Trainer:
                              cfg.parallel.dropout_rng)
         self.engine: Engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)
         self.parameters = model_info(cfg)["parameters"]
-        self.peak = device_peak_flops(ctx.device, t.precision, t.peak_tflops) * ctx.layout.world_size
+        # The peak of all devices together. On a CPU every rank measures at the same time (as
+        # they train): ranks that share cores then measure the share they really get.
+        if dist.is_initialized():
+            dist.barrier()
+        self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
         self.tokens = 0
         self.train_seconds = 0.0
         if saved:
@@ -169,7 +173,7 @@ class Trainer:
 
     def _world_sum(self, values: list[float]) -> list[float]:
         """Sum over every rank; TP peers hold equal values, so a DP sum is this divided by tp."""
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)  # nccl reduces device tensors only
         if dist.is_initialized():
             dist.all_reduce(t)
         return t.tolist()
