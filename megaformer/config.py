@@ -83,8 +83,13 @@ class TrainConfig:
     keep_last: int = 5
     fp16_initial_scale_power: int = 16  # dynamic loss scale starts at 2^this
     fp16_hysteresis: int = 2  # overflows tolerated before the loss scale is lowered
-    zero_bucket_size: int = 500_000_000  # elements per ZeRO reduce / all-gather bucket (DeepSpeed's default)
-    zero_overlap_comm: bool = False  # overlap ZeRO-2 gradient reduction with backward
+    # ZeRO communication (benchmarks/zero_overhead.py measures them against ZeRO-0):
+    zero_bucket_size: int = 50_000_000  # elements per reduce / all-gather bucket (DeepSpeed's default: 5e8)
+    zero_overlap_comm: bool = False  # overlap ZeRO-2 gradient reduction with backward (GPU streams)
+    zero_reduce_scatter: bool = True  # ZeRO-2 reduces gradients by reduce-scatter (else all-reduce)
+    # Copy gradients into one buffer as backward produces them: saves fragmentation on a GPU,
+    # costs a copy on a CPU. auto = on with CUDA, off on CPU.
+    zero_contiguous_gradients: str = "auto"
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU table, or measured on a CPU
 
 
@@ -112,6 +117,7 @@ _CHOICES = {
     ("parallel", "backend"): ("auto", "nccl", "gloo"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "zero_stage"): (0, 1, 2),
+    ("train", "zero_contiguous_gradients"): ("auto", "true", "false"),
 }
 
 
@@ -123,6 +129,8 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if kind is str and isinstance(value, bool):  # YAML reads `true` as a boolean
+        return "true" if value else "false"
     if kind in (int, float, str):
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ConfigError(f"{key}: expected an integer, got {value!r}")

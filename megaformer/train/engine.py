@@ -34,6 +34,10 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
+# DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per rank and
+# run; the warning is not the user's to act on.
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+
 
 class ModelParallelUnit:
     """The ``mpu`` DeepSpeed asks for: getters over our context, nothing global."""
@@ -73,14 +77,15 @@ def check_precision(train: TrainConfig) -> None:
         )
 
 
-def deepspeed_config(cfg: Config, dp: int, accum: int) -> dict:
+def deepspeed_config(cfg: Config, dp: int, accum: int, device_type: str = "cuda") -> dict:
     """The DeepSpeed config, generated: one source of truth for batch size and precision.
 
-    ``accum``: micro-batches per rank per optimizer step.
+    ``accum``: micro-batches per rank per optimizer step; ``device_type``: "cuda" or "cpu".
     """
     t = cfg.train
     check_precision(t)
     bucket = t.zero_bucket_size
+    contiguous = device_type == "cuda" if t.zero_contiguous_gradients == "auto" else t.zero_contiguous_gradients == "true"
     return {
         # A "sample" is one token-bounded micro-batch: train_batch_size counts micro-batches.
         "train_batch_size": accum * dp,
@@ -95,8 +100,8 @@ def deepspeed_config(cfg: Config, dp: int, accum: int) -> dict:
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": bucket,
             "overlap_comm": t.zero_overlap_comm,
-            "contiguous_gradients": True,
-            "reduce_scatter": True,
+            "contiguous_gradients": contiguous,
+            "reduce_scatter": t.zero_reduce_scatter,
         },
         "bf16": {"enabled": t.precision == "bf16"},
         "fp16": {
@@ -120,7 +125,9 @@ def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> 
     kwargs = dict(lr=1.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
     if _ApexFusedAdam is not None and device.type == "cuda":
         return _ApexFusedAdam(model.parameters(), adam_w_mode=False, **kwargs)
-    return torch.optim.Adam(model.parameters(), **kwargs)
+    # torch's fused Adam (one kernel over all tensors; CPU and CUDA): ~4x faster than the
+    # per-tensor loop on a CPU, and the ZeRO optimizers hand it one flat partition.
+    return torch.optim.Adam(model.parameters(), fused=True, **kwargs)
 
 
 @dataclass
@@ -166,7 +173,7 @@ class Engine:
                     split += sq
                 else:
                     replicated += sq
-        total = torch.tensor([split], dtype=torch.float64)
+        total = torch.tensor([split], dtype=torch.float64, device=self.ctx.device)
         if self.ctx.tp.size > 1:  # shards add up over the TP group; replicated tensors count once
             dist.all_reduce(total, group=self.ctx.tp.group)
         self.last_grad_norm = float(total.item() + replicated) ** 0.5
@@ -176,7 +183,7 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     """Wrap ``model`` (already on ``ctx.device``) in a DeepSpeed engine configured from ``cfg``."""
     import deepspeed
 
-    ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation)
+    ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
     if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
         _allow_fp16_on_cpu()
     deepspeed.init_distributed(dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False,
@@ -300,6 +307,6 @@ def all_reduce_tokens(count: int, ctx: ParallelContext) -> int:
     """Sum a token count over the data-parallel group."""
     if ctx.dp_size == 1:
         return count
-    t = torch.tensor([count], dtype=torch.float64)
+    t = torch.tensor([count], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, group=ctx.dp_group)
     return int(t.item())
