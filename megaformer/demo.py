@@ -34,7 +34,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="runs/demo", help="where the corpus, shards and run go")
     p.add_argument("--pairs", type=int, default=20000, help="training pairs of the built-in corpus")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps in all (half before the resume)")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps in all (half before the resume)")
     args = p.parse_args()
     started = time.monotonic()
     work = ROOT / args.dir
