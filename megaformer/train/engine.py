@@ -125,8 +125,8 @@ def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> 
     kwargs = dict(lr=1.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
     if _ApexFusedAdam is not None and device.type == "cuda":
         return _ApexFusedAdam(model.parameters(), adam_w_mode=False, **kwargs)
-    # torch's fused Adam (one kernel over all tensors; CPU and CUDA): ~4x faster than the
-    # per-tensor loop on a CPU, and the ZeRO optimizers hand it one flat partition.
+    # torch's fused Adam (CPU and CUDA): one kernel over all tensors instead of a Python
+    # loop of element-wise ops per tensor.
     return torch.optim.Adam(model.parameters(), fused=True, **kwargs)
 
 
@@ -301,12 +301,3 @@ def import_state(engine: Engine, state: dict[str, dict[str, torch.Tensor]], step
     sched = engine.ds.lr_scheduler
     sched.last_epoch = step - 1
     sched.step()
-
-
-def all_reduce_tokens(count: int, ctx: ParallelContext) -> int:
-    """Sum a token count over the data-parallel group."""
-    if ctx.dp_size == 1:
-        return count
-    t = torch.tensor([count], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, group=ctx.dp_group)
-    return int(t.item())
