@@ -13,7 +13,7 @@ M30K := runs/multi30k
 # bf16 where the CPU computes it natively (AVX512-BF16 / AMX), fp32 elsewhere.
 M30K_PRECISION ?= $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo fp32)
 
-.PHONY: install test demo multi30k clean
+.PHONY: install lint test demo multi30k clean
 
 install: $(VENV)/.installed
 
@@ -23,7 +23,11 @@ $(VENV)/.installed: setup.py
 	$(PY) -m pip install --quiet -e ".[dev,ref]"
 	touch $@
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint
 	$(PY) -m pytest -q tests
 
 demo: install

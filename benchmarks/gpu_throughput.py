@@ -48,8 +48,7 @@ def main() -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     model = Transformer(cfg.model, cfg.data.vocab_size, LOCAL, DropoutRNG(1, LOCAL, device=device), seed=1).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=device.type == "cuda")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda")
     batch = max(1, args.tokens // args.len)
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, cfg.data.vocab_size, (batch, args.len), generator=g).to(device)
@@ -81,18 +80,26 @@ def main() -> int:
     peak = device_peak_flops(device, args.dtype, args.peak_tflops)
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "config": args.config, "dtype": args.dtype, "parameters": params, "batch_sentences": batch,
-        "target_tokens_per_step": batch * args.len, "step_seconds": seconds, "tokens_per_s": tokens_per_s,
-        "peak_tflops": peak / 1e12, "mfu": 6 * params * tokens_per_s / peak if math.isfinite(peak) else float("nan"),
+        "config": args.config,
+        "dtype": args.dtype,
+        "parameters": params,
+        "batch_sentences": batch,
+        "target_tokens_per_step": batch * args.len,
+        "step_seconds": seconds,
+        "tokens_per_s": tokens_per_s,
+        "peak_tflops": peak / 1e12,
+        "mfu": 6 * params * tokens_per_s / peak if math.isfinite(peak) else float("nan"),
         "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{result['device']}: {args.config} {args.dtype}, {params / 1e6:.1f}M parameters, "
-              f"{batch} x {args.len} tokens per step: {seconds * 1e3:.1f} ms/step, {tokens_per_s:,.0f} target tokens/s, "
-              f"MFU {100 * result['mfu']:.1f}% of {result['peak_tflops']:.0f} TFLOP/s"
-              + (f", peak memory {result['max_memory_gib']:.1f} GiB" if result["max_memory_gib"] else ""))
+        print(
+            f"{result['device']}: {args.config} {args.dtype}, {params / 1e6:.1f}M parameters, "
+            f"{batch} x {args.len} tokens per step: {seconds * 1e3:.1f} ms/step, {tokens_per_s:,.0f} target tokens/s, "
+            f"MFU {100 * result['mfu']:.1f}% of {result['peak_tflops']:.0f} TFLOP/s"
+            + (f", peak memory {result['max_memory_gib']:.1f} GiB" if result["max_memory_gib"] else "")
+        )
     return 0
 
 

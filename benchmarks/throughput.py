@@ -37,8 +37,8 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +64,7 @@ class ReferenceTransformer(nn.Module):
         nn.init.normal_(self.embed.weight, 0.0, D_MODEL**-0.5)
         self.register_buffer("positions", sinusoidal_positions(1024, D_MODEL), persistent=False)
         self.dropout = nn.Dropout(DROPOUT)
-        self.transformer = nn.Transformer(
-            D_MODEL, HEADS, LAYERS, LAYERS, D_FF, DROPOUT, batch_first=True
-        )
+        self.transformer = nn.Transformer(D_MODEL, HEADS, LAYERS, LAYERS, D_FF, DROPOUT, batch_first=True)
         if not dropout_everywhere:  # the paper's placement: sub-layer outputs and embeddings only
             for layer in [*self.transformer.encoder.layers, *self.transformer.decoder.layers]:
                 layer.dropout = nn.Identity()  # inside the feed-forward network
@@ -111,9 +109,7 @@ def make_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return src, tgt[:, :-1].contiguous(), tgt[:, 1:].contiguous()
 
 
-def training_step(
-    model: nn.Module, loss_fn: Callable[[], tuple[torch.Tensor, int]], bf16: bool
-) -> Callable[[], float]:
+def training_step(model: nn.Module, loss_fn: Callable[[], tuple[torch.Tensor, int]], bf16: bool) -> Callable[[], float]:
     """A closure that runs one optimizer step and returns its wall time in seconds."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     model.train()
@@ -152,8 +148,10 @@ def run(dtype: str, steps: int, warmup: int, reference_dropout: str, log: Callab
     mega = megaformer_model()
     ref = ReferenceTransformer(dropout_everywhere=reference_dropout == "everywhere")
     parameters = paper_parameters(mega)
-    log(f"parameters {parameters / 1e6:.1f}M (reference {sum(p.numel() for p in ref.parameters()) / 1e6:.1f}M), "
-        f"{target_tokens} target tokens a step, dtype {dtype}, {torch.get_num_threads()} threads")
+    log(
+        f"parameters {parameters / 1e6:.1f}M (reference {sum(p.numel() for p in ref.parameters()) / 1e6:.1f}M), "
+        f"{target_tokens} target tokens a step, dtype {dtype}, {torch.get_num_threads()} threads"
+    )
 
     peak_samples = matmul_gflops(DTYPES[dtype])
     steppers = {
@@ -166,8 +164,10 @@ def run(dtype: str, steps: int, warmup: int, reference_dropout: str, log: Callab
         if i >= warmup:
             for name, seconds in this_round.items():
                 times[name].append(seconds)
-        log(f"step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: "
-            + ", ".join(f"{name} {seconds:.3f}s" for name, seconds in this_round.items()))
+        log(
+            f"step {i + 1}/{warmup + steps}{' (warm-up)' if i < warmup else ''}: "
+            + ", ".join(f"{name} {seconds:.3f}s" for name, seconds in this_round.items())
+        )
     peak_samples += matmul_gflops(DTYPES[dtype])
     peak = statistics.median(peak_samples)
 
@@ -214,15 +214,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    print(f"\nmatmul peak ({r['peak_matmul']}): {r['peak_gflops']:.0f} GFLOP/s; "
-          f"6 x {r['parameters'] / 1e6:.1f}M parameters x {r['target_tokens_per_step']} tokens "
-          f"= {6 * r['parameters'] * r['target_tokens_per_step'] / 1e9:.0f} GFLOP a step")
+    print(
+        f"\nmatmul peak ({r['peak_matmul']}): {r['peak_gflops']:.0f} GFLOP/s; "
+        f"6 x {r['parameters'] / 1e6:.1f}M parameters x {r['target_tokens_per_step']} tokens "
+        f"= {6 * r['parameters'] * r['target_tokens_per_step'] / 1e9:.0f} GFLOP a step"
+    )
     print(f"{'model':22s} {'step s':>8s} {'target tok/s':>13s} {'of peak':>8s}")
     for name, label in (("megaformer", "megaformer"), ("reference", "torch.nn.Transformer")):
-        print(f"{label:22s} {r[f'{name}_step_s']:8.3f} {r[f'{name}_tokens_per_s']:13.0f} "
-              f"{r[f'{name}_peak_fraction']:8.1%}")
-    print(f"ratio (megaformer / reference): {r['ratio']:.2f}  "
-          f"[{r['precision']}; {r['optimizer']}; reference dropout: {r['reference_dropout']}]")
+        print(
+            f"{label:22s} {r[f'{name}_step_s']:8.3f} {r[f'{name}_tokens_per_s']:13.0f} "
+            f"{r[f'{name}_peak_fraction']:8.1%}"
+        )
+    print(
+        f"ratio (megaformer / reference): {r['ratio']:.2f}  "
+        f"[{r['precision']}; {r['optimizer']}; reference dropout: {r['reference_dropout']}]"
+    )
     return 0
 
 

@@ -32,8 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 VARIANTS = {
     "zero0": ["train.zero_stage=0"],
-    "zero2-default": ["train.zero_stage=2", "train.zero_bucket_size=500000000", "train.zero_overlap_comm=false",
-                      "train.zero_reduce_scatter=true", "train.zero_contiguous_gradients=true"],
+    "zero2-default": [
+        "train.zero_stage=2",
+        "train.zero_bucket_size=500000000",
+        "train.zero_overlap_comm=false",
+        "train.zero_reduce_scatter=true",
+        "train.zero_contiguous_gradients=true",
+    ],
 }
 
 
@@ -49,8 +54,12 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
     from megaformer.train.trainer import accumulate
 
     rank = int(os.environ["RANK"])
-    base = [f"model.encoder_layers={args.layers}", f"model.decoder_layers={args.layers}", "data.vocab_size=8000",
-            "parallel.tp=1"]
+    base = [
+        f"model.encoder_layers={args.layers}",
+        f"model.decoder_layers={args.layers}",
+        "data.vocab_size=8000",
+        "parallel.tp=1",
+    ]
     ctx = None
     engines = {}
     for name, sets in variants.items():
@@ -64,7 +73,7 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
     tokens = batch.tgt_tokens * 2
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.warmup + args.rounds):
-        for name, (engine, cfg) in engines.items():
+        for name, (engine, _cfg) in engines.items():
             torch.distributed.barrier()
             began = time.perf_counter()
             accumulate(engine, [batch], tokens, 0.1)
@@ -72,7 +81,9 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
             if round_ >= args.warmup:
                 times[name].append(time.perf_counter() - began)
     if rank == 0:
-        Path(out).write_text(json.dumps({name: {"median": statistics.median(t), "min": min(t)} for name, t in times.items()}))
+        Path(out).write_text(
+            json.dumps({name: {"median": statistics.median(t), "min": min(t)} for name, t in times.items()})
+        )
     return 0
 
 
@@ -83,8 +94,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                   help="an extra variant, e.g. zero2-small:train.zero_stage=2,train.zero_bucket_size=5000000")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="an extra variant, e.g. zero2-small:train.zero_stage=2,train.zero_bucket_size=5000000",
+    )
     args = p.parse_args()
 
     from launcher.local import spawn
@@ -106,7 +122,10 @@ def main() -> int:
     medians = {k: v["median"] for k, v in measured.items()}
     fastest = {k: v["min"] for k, v in measured.items()}
     result = {
-        "layers": args.layers, "batch_per_rank": args.batch, "ranks": 2, "rounds": args.rounds,
+        "layers": args.layers,
+        "batch_per_rank": args.batch,
+        "ranks": 2,
+        "rounds": args.rounds,
         "step_seconds": medians,
         "step_seconds_min": fastest,
         "overhead_vs_zero0": {k: v / medians["zero0"] - 1 for k, v in medians.items() if k != "zero0"},
@@ -121,8 +140,10 @@ def main() -> int:
             if name == "zero0":
                 print(f"{name:20s} {medians[name] * 1e3:10.1f} {'':9s} {fastest[name] * 1e3:8.1f}")
             else:
-                print(f"{name:20s} {medians[name] * 1e3:10.1f} {result['overhead_vs_zero0'][name]:+9.1%} "
-                      f"{fastest[name] * 1e3:8.1f} {result['overhead_vs_zero0_min'][name]:+9.1%}")
+                print(
+                    f"{name:20s} {medians[name] * 1e3:10.1f} {result['overhead_vs_zero0'][name]:+9.1%} "
+                    f"{fastest[name] * 1e3:8.1f} {result['overhead_vs_zero0_min'][name]:+9.1%}"
+                )
     return 0
 
 

@@ -93,5 +93,7 @@ def detect(env: dict | None = None) -> RankInfo:
     else:
         return RankInfo(0, 0, 1, "127.0.0.1", 29500, "single")
     if not 0 <= info.rank < info.world_size or not 0 <= info.local_rank < info.world_size:
-        raise ConfigError(f"{info.source}: rank {info.rank} / local rank {info.local_rank} outside world size {info.world_size}")
+        raise ConfigError(
+            f"{info.source}: rank {info.rank} / local rank {info.local_rank} outside world size {info.world_size}"
+        )
     return info

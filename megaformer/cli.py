@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("megaformer.data.inspect", "summarise a prepared data directory"),
     "info": ("megaformer.info", "parameters, FLOPs and memory of a config"),
     "parity": ("megaformer.parity", "check a TP=N model against TP=1 on this installation"),
-    "train": ("megaformer.train.command", "train (torchrun, srun, the deepspeed launcher, or --nproc N local processes)"),
+    "train": (
+        "megaformer.train.command",
+        "train (torchrun, srun, the deepspeed launcher, or --nproc N local processes)",
+    ),
     "reshard": ("megaformer.train.command:reshard", "rewrite a checkpoint for another tensor-parallel size"),
     "export": ("megaformer.train.command:export", "write one consolidated, TP-independent model file"),
     "translate": ("megaformer.decode.translate", "translate raw text with a checkpoint or model file (beam search)"),
@@ -42,7 +45,11 @@ def _entry(spec: str, function: str):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # Build only the requested sub-parser when possible: importing every command pulls in torch.
-    parser = argparse.ArgumentParser(prog="megaformer", description=__doc__.splitlines()[0], epilog="Run megaformer COMMAND --help for the options of a command.")
+    parser = argparse.ArgumentParser(
+        prog="megaformer",
+        description=__doc__.splitlines()[0],
+        epilog="Run megaformer COMMAND --help for the options of a command.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

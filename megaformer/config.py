@@ -156,7 +156,9 @@ def _apply(obj: Any, values: dict, prefix: str) -> None:
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{key}: expected a mapping of {', '.join(sorted(f.name for f in dataclasses.fields(current)))}")
+                raise ConfigError(
+                    f"{key}: expected a mapping of {', '.join(sorted(f.name for f in dataclasses.fields(current)))}"
+                )
             _apply(current, value, key + ".")
         else:
             kind = hints[name]
@@ -215,7 +217,9 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing must be in [0, 1), got {cfg.train.label_smoothing}")
     if cfg.parallel.tp < 1 or cfg.parallel.dp < 0:
-        raise ConfigError(f"parallel.tp must be >= 1 and parallel.dp >= 0, got tp={cfg.parallel.tp} dp={cfg.parallel.dp}")
+        raise ConfigError(
+            f"parallel.tp must be >= 1 and parallel.dp >= 0, got tp={cfg.parallel.tp} dp={cfg.parallel.dp}"
+        )
     if cfg.data.vocab_size < 4:
         raise ConfigError(f"data.vocab_size must be at least 4, got {cfg.data.vocab_size}")
 

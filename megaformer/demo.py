@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(title: str, args: list[str], capture: bool = False) -> str:
     command = [sys.executable, "-m", "megaformer.cli", *args]
     print(f"\n== {title}\n$ megaformer {shlex.join(args)}", flush=True)
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))}
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions")),
+    }
     proc = subprocess.run(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE if capture else None)
     if proc.returncode != 0:
         print(f"demo: `megaformer {args[0]}` failed with status {proc.returncode}", file=sys.stderr)
@@ -39,28 +42,67 @@ def main() -> int:
     started = time.monotonic()
     work = ROOT / args.dir
     data, run = work / "data", work / "run"
-    common = ["--config", "configs/tiny.yaml", "--run-dir", str(run), "--nproc", "2",
-              "--set", f"data.path={data}", "--set", "parallel.tp=2", "--set", "train.log_interval=25",
-              "--set", "train.eval_interval=100", "--set", "train.save_interval=100"]
+    common = [
+        "--config",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run),
+        "--nproc",
+        "2",
+        "--set",
+        f"data.path={data}",
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "train.log_interval=25",
+        "--set",
+        "train.eval_interval=100",
+        "--set",
+        "train.save_interval=100",
+    ]
 
     if not (data / "manifest.json").is_file():
-        _run("generate the built-in corpus and prepare shards", ["prepare", "--synthetic", str(args.pairs), "--out", str(data)])
-    _run(f"train at TP=2 (2 processes) to step {args.steps // 2}", ["train", *common, "--resume", "none",
-                                                                     "--set", f"train.max_steps={args.steps // 2}"])
-    _run(f"resume from the last checkpoint and train to step {args.steps}", ["train", *common, "--resume", "auto",
-                                                                              "--set", f"train.max_steps={args.steps}"])
+        _run(
+            "generate the built-in corpus and prepare shards",
+            ["prepare", "--synthetic", str(args.pairs), "--out", str(data)],
+        )
+    _run(
+        f"train at TP=2 (2 processes) to step {args.steps // 2}",
+        ["train", *common, "--resume", "none", "--set", f"train.max_steps={args.steps // 2}"],
+    )
+    _run(
+        f"resume from the last checkpoint and train to step {args.steps}",
+        ["train", *common, "--resume", "auto", "--set", f"train.max_steps={args.steps}"],
+    )
     sample = data / "demo_sample.xx"
     lines = (data / "test.xx").read_text().splitlines()[:5]
     sample.write_text("\n".join(lines) + "\n")
-    out = _run("translate five test sentences (beam 4)", ["translate", "--ckpt", str(run), "--input", str(sample), "--quiet"],
-               capture=True)
+    out = _run(
+        "translate five test sentences (beam 4)",
+        ["translate", "--ckpt", str(run), "--input", str(sample), "--quiet"],
+        capture=True,
+    )
     refs = (data / "test.yy").read_text().splitlines()[:5]
     for src, hyp, ref in zip(lines, out.splitlines(), refs):
         print(f"  source     {src}\n  output     {hyp}\n  reference  {ref}\n")
-    _run("BLEU on the test split", ["evaluate", "--ckpt", str(run), "--src", str(data / "test.xx"),
-                                     "--ref", str(data / "test.yy"), "--out", str(work / "test.hyp")])
-    print(f"\ndemo: done in {time.monotonic() - started:.0f} s. Metrics: {run / 'metrics.jsonl'}; "
-          f"tensorboard --logdir {run / 'tensorboard'}")
+    _run(
+        "BLEU on the test split",
+        [
+            "evaluate",
+            "--ckpt",
+            str(run),
+            "--src",
+            str(data / "test.xx"),
+            "--ref",
+            str(data / "test.yy"),
+            "--out",
+            str(work / "test.hyp"),
+        ],
+    )
+    print(
+        f"\ndemo: done in {time.monotonic() - started:.0f} s. Metrics: {run / 'metrics.jsonl'}; "
+        f"tensorboard --logdir {run / 'tensorboard'}"
+    )
     return 0
 
 

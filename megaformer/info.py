@@ -75,8 +75,13 @@ def model_info(cfg: Config) -> dict:
             "activations": int(activations),
             "total": int(weights + grads + optimizer + activations),
         },
-        "layout": {"tp": p.tp, "dp": dp, "zero_stage": zero, "precision": cfg.train.precision,
-                   "sequence_parallel": p.sequence_parallel},
+        "layout": {
+            "tp": p.tp,
+            "dp": dp,
+            "zero_stage": zero,
+            "precision": cfg.train.precision,
+            "sequence_parallel": p.sequence_parallel,
+        },
     }
 
 
@@ -99,11 +104,15 @@ def main(args: argparse.Namespace) -> int:
     mem = info["memory_per_rank_bytes"]
     lay = info["layout"]
     print(f"config            {args.config}")
-    print(f"parameters        {info['parameters']:,} ({info['parameters'] / 1e6:.1f}M; vocabulary "
-          f"{cfg.data.vocab_size} padded to {info['padded_vocab_size']}, +{info['vocab_padding_parameters']:,} padding)")
+    print(
+        f"parameters        {info['parameters']:,} ({info['parameters'] / 1e6:.1f}M; vocabulary "
+        f"{cfg.data.vocab_size} padded to {info['padded_vocab_size']}, +{info['vocab_padding_parameters']:,} padding)"
+    )
     print(f"per TP rank       {info['parameters_per_rank']:,} (tp={lay['tp']})")
     print(f"FLOPs per token   {info['flops_per_token'] / 1e9:.3f} GFLOP (training, 6 x parameters per target token)")
-    print(f"memory per rank   {_gib(mem['total'])}: weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, "
-          f"optimizer {_gib(mem['optimizer'])} (ZeRO-{lay['zero_stage']} over dp={lay['dp']}), "
-          f"activations ~{_gib(mem['activations'])} ({cfg.data.max_tokens} tokens x max_len {cfg.data.max_len}, estimate)")
+    print(
+        f"memory per rank   {_gib(mem['total'])}: weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, "
+        f"optimizer {_gib(mem['optimizer'])} (ZeRO-{lay['zero_stage']} over dp={lay['dp']}), "
+        f"activations ~{_gib(mem['activations'])} ({cfg.data.max_tokens} tokens x max_len {cfg.data.max_len}, estimate)"
+    )
     return 0

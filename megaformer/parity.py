@@ -18,7 +18,7 @@ import torch
 
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
-from megaformer.parallel import LOCAL, DropoutRNG, ParallelContext, ParallelLayout, gather_full, gather_from_tp
+from megaformer.parallel import LOCAL, DropoutRNG, ParallelContext, ParallelLayout, gather_from_tp, gather_full
 
 
 @dataclass
@@ -80,7 +80,13 @@ def check_parity(
     def build(tp, sp):
         rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng, device=device)
         return Transformer(
-            cfg.model, vocab, tp, rng, seed=cfg.train.seed, sequence_parallel=sp, vocab_multiple=cfg.parallel.vocab_multiple
+            cfg.model,
+            vocab,
+            tp,
+            rng,
+            seed=cfg.train.seed,
+            sequence_parallel=sp,
+            vocab_multiple=cfg.parallel.vocab_multiple,
         ).to(device)
 
     def loss_and_logits(model):
@@ -134,17 +140,25 @@ def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
         if report is None:
             return 0
         rows = sorted(report.diffs.items(), key=lambda kv: -kv[1][1])
-        shown = rows if args.all else [r for r in rows if not r[0].startswith("grad")] + [r for r in rows if r[0].startswith("grad")][:10]
-        print(f"parity TP={cfg.parallel.tp} vs TP=1 (sequence_parallel={cfg.parallel.sequence_parallel}, "
-              f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={ctx.backend})")
+        shown = (
+            rows
+            if args.all
+            else [r for r in rows if not r[0].startswith("grad")] + [r for r in rows if r[0].startswith("grad")][:10]
+        )
+        print(
+            f"parity TP={cfg.parallel.tp} vs TP=1 (sequence_parallel={cfg.parallel.sequence_parallel}, "
+            f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={ctx.backend})"
+        )
         print(f"loss: TP={cfg.parallel.tp} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
         print(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
         for name, (diff, rel) in shown:
             print(f"{name:60s} {diff:14.3e} {rel:12.3e}")
         name, worst = report.worst()
         ok = worst <= args.tolerance
-        print(f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance {args.tolerance:.0e}"
-              f" over {len(report.diffs) - 2} gradients")
+        print(
+            f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance {args.tolerance:.0e}"
+            f" over {len(report.diffs) - 2} gradients"
+        )
         sys.stdout.flush()
         return 0 if ok else 1
     finally:
@@ -160,7 +174,9 @@ def main(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ:  # under torchrun / srun / the DeepSpeed launcher
         world = int(os.environ["WORLD_SIZE"])
         if world != args.tp:
-            raise ConfigError(f"parity runs on exactly --tp processes; this launch has WORLD_SIZE={world}, --tp={args.tp}")
+            raise ConfigError(
+                f"parity runs on exactly --tp processes; this launch has WORLD_SIZE={world}, --tp={args.tp}"
+            )
         return _rank_main(cfg, args)
     ParallelLayout.from_config(cfg.parallel, args.tp).validate_model(cfg.model)  # fail before any process starts
     from launcher.local import spawn

@@ -20,8 +20,10 @@ from megaformer.parallel import LOCAL, DropoutRNG, TPGroup, gather_full_state, l
 
 PAD, BOS, EOS = 0, 2, 3
 TINY = ModelConfig(d_model=32, d_ff=64, num_heads=4, encoder_layers=2, decoder_layers=2, dropout=0.0, max_positions=64)
-WORDS = ("red green blue cat dog bird one two three big small fast slow tree house river "
-         "stone cloud rain sun moon star fish boat").split()
+WORDS = (
+    "red green blue cat dog bird one two three big small fast slow tree house river "
+    "stone cloud rain sun moon star fish boat"
+).split()
 
 
 def collate(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,7 +74,9 @@ def reverse_id_state(vocab: int = 100, steps: int = 150, seed: int = 3) -> dict[
     return gather_full_state(train(model, batches, steps), LOCAL)
 
 
-def model_from_state(state: dict[str, torch.Tensor], vocab: int, tp: TPGroup = LOCAL, cfg: ModelConfig = TINY) -> Transformer:
+def model_from_state(
+    state: dict[str, torch.Tensor], vocab: int, tp: TPGroup = LOCAL, cfg: ModelConfig = TINY
+) -> Transformer:
     """A model at ``tp`` holding the TP=1 ``state`` (built from another seed: the state must be what counts)."""
     model = Transformer(cfg, vocab, tp, DropoutRNG(11, tp), seed=11)
     load_full_state(model, state, tp)
@@ -87,8 +91,9 @@ def random_sentence(rng: random.Random, lo: int = 2, hi: int = 7) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
-def make_text_checkpoint(folder: Path, steps: int = 300, seed: int = 5, name: str = "model.pt",
-                         snapshots: tuple[int, ...] = ()) -> dict[str, Path]:
+def make_text_checkpoint(
+    folder: Path, steps: int = 300, seed: int = 5, name: str = "model.pt", snapshots: tuple[int, ...] = ()
+) -> dict[str, Path]:
     """Train sentencepiece and TINY-64 on sentence reversal; write consolidated files into ``folder``.
 
     Returns {"final": path, step: path for each snapshot step}.
@@ -106,8 +111,9 @@ def make_text_checkpoint(folder: Path, steps: int = 300, seed: int = 5, name: st
     sp = spm.SentencePieceProcessor(model_file=str(spm_path))
     vocab = sp.vocab_size()
     cfg = Config()
-    cfg.model = ModelConfig(d_model=64, d_ff=128, num_heads=4, encoder_layers=2, decoder_layers=2, dropout=0.0,
-                            max_positions=64)
+    cfg.model = ModelConfig(
+        d_model=64, d_ff=128, num_heads=4, encoder_layers=2, decoder_layers=2, dropout=0.0, max_positions=64
+    )
     model = Transformer(cfg.model, vocab, LOCAL, DropoutRNG(seed, LOCAL), seed=seed)
 
     def batches():

@@ -35,8 +35,16 @@ def test_paper_values_of_the_presets():
 
 
 def test_overrides_convert_types():
-    cfg = load_config(CONFIGS / "tiny.yaml", ["model.num_heads=8", "train.lr_scale=2", "parallel.sequence_parallel=true",
-                                               "train.tokens_per_step=2.5e4", "train.adam_eps=1e-8"])
+    cfg = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            "model.num_heads=8",
+            "train.lr_scale=2",
+            "parallel.sequence_parallel=true",
+            "train.tokens_per_step=2.5e4",
+            "train.adam_eps=1e-8",
+        ],
+    )
     assert cfg.model.num_heads == 8 and isinstance(cfg.model.num_heads, int)
     assert cfg.train.lr_scale == 2.0 and isinstance(cfg.train.lr_scale, float)
     assert cfg.parallel.sequence_parallel is True

@@ -52,7 +52,7 @@ def test_reads_both_sides_in_step_plain_and_gzip(tmp_path: Path) -> None:
     write(tmp_path / "c.de.gz", b"eins\nzwei\n")
     corpus = ParallelCorpus(tmp_path / "c", "en", "de")
     lines = list(corpus)
-    assert [(l.number, l.src, l.tgt) for l in lines] == [(1, "one", "eins"), (2, "two\u2028x", "zwei")]
+    assert [(line.number, line.src, line.tgt) for line in lines] == [(1, "one", "eins"), (2, "two\u2028x", "zwei")]
     assert [(f.lang, f.lines) for f in corpus.files] == [("en", 2), ("de", 2)]
     assert all(len(f.sha256) == 64 for f in corpus.files)
 
@@ -96,11 +96,15 @@ def test_duplicates_after_normalisation_and_switches(tmp_path: Path) -> None:
     write(tmp_path / "c.de", b"x\nx\ny\n")
     counts = SplitCounts()
     text_filter = TextFilter(FilterSettings(), counts)
-    assert [text_filter.accept(l) for l in ParallelCorpus(tmp_path / "c", "en", "de")] == [("a b", "x"), None, None]
+    assert [text_filter.accept(pair) for pair in ParallelCorpus(tmp_path / "c", "en", "de")] == [
+        ("a b", "x"),
+        None,
+        None,
+    ]
     assert dict(counts.rejected) == {"duplicate": 1, "empty": 1}
     counts = SplitCounts()
     text_filter = TextFilter(FilterSettings(dedup=False, keep_empty=True), counts)
-    assert [text_filter.accept(l) for l in ParallelCorpus(tmp_path / "c", "en", "de")] == [
+    assert [text_filter.accept(pair) for pair in ParallelCorpus(tmp_path / "c", "en", "de")] == [
         ("a b", "x"),
         ("a b", "x"),
         ("", "y"),

@@ -12,11 +12,12 @@ import sys
 
 import pytest
 import torch
-
 from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
+
 from megaformer import cli
 from megaformer.config import Config, ModelConfig
 from megaformer.train.checkpoint import Consolidated, load_consolidated, save_consolidated
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
@@ -27,8 +28,14 @@ def files(tmp_path_factory):
     src[5] = ""  # an empty line stays an empty line
     (folder / "test.src").write_text("\n".join(src) + "\n")
     (folder / "test.ref").write_text("\n".join(reverse_sentence(x) for x in src) + "\n")
-    return {"dir": folder, "model": paths["final"], "step250": paths[250],
-            "src": folder / "test.src", "ref": folder / "test.ref", "lines": src}
+    return {
+        "dir": folder,
+        "model": paths["final"],
+        "step250": paths[250],
+        "src": folder / "test.src",
+        "ref": folder / "test.ref",
+        "lines": src,
+    }
 
 
 @pytest.fixture
@@ -47,8 +54,9 @@ def run(monkeypatch, capsys):
 
 def test_translate_file_to_file_keeps_order_and_empty_lines(files, run, tmp_path):
     out = tmp_path / "hyp.txt"
-    code, _, err = run("translate", "--ckpt", files["model"], "--input", files["src"], "--output", out,
-                       "--max-tokens", 40)
+    code, _, err = run(
+        "translate", "--ckpt", files["model"], "--input", files["src"], "--output", out, "--max-tokens", 40
+    )
     assert code == 0, err
     assert "sentences/s" in err
     hyps = out.read_text().split("\n")[:-1]
@@ -65,15 +73,27 @@ def test_translate_stdin_to_stdout(files, run):
 
 def test_translate_at_tp2_writes_what_tp1_writes(files, run, tmp_path):
     code1, _, _ = run("translate", "--ckpt", files["model"], "--input", files["src"], "--output", tmp_path / "1.txt")
-    code2, _, err = run("translate", "--ckpt", files["model"], "--input", files["src"], "--output", tmp_path / "2.txt",
-                        "--tp", 2)
+    code2, _, err = run(
+        "translate", "--ckpt", files["model"], "--input", files["src"], "--output", tmp_path / "2.txt", "--tp", 2
+    )
     assert code1 == code2 == 0, err
     assert (tmp_path / "2.txt").read_text() == (tmp_path / "1.txt").read_text()
 
 
 def test_evaluate_prints_sacrebleu_with_its_signature(files, run, tmp_path):
-    code, out, err = run("evaluate", "--ckpt", files["model"], "--src", files["src"], "--ref", files["ref"], "--json",
-                         "--out", tmp_path / "hyp.txt", "--quiet")
+    code, out, err = run(
+        "evaluate",
+        "--ckpt",
+        files["model"],
+        "--src",
+        files["src"],
+        "--ref",
+        files["ref"],
+        "--json",
+        "--out",
+        tmp_path / "hyp.txt",
+        "--quiet",
+    )
     assert code == 0, err
     result = json.loads(out)
     assert {"bleu", "chrf", "signature", "sentences", "seconds"} <= set(result)
@@ -82,8 +102,9 @@ def test_evaluate_prints_sacrebleu_with_its_signature(files, run, tmp_path):
     assert result["sentences"] == 40 and result["settings"]["beam"] == 4
     assert len((tmp_path / "hyp.txt").read_text().split("\n")) == 41
 
-    code, out, _ = run("evaluate", "--ckpt", files["model"], "--src", files["src"], "--ref", files["ref"],
-                       "--beam", 1, "--quiet")
+    code, out, _ = run(
+        "evaluate", "--ckpt", files["model"], "--src", files["src"], "--ref", files["ref"], "--beam", 1, "--quiet"
+    )
     assert code == 0
     assert out.startswith("BLEU|nrefs:1|") and "\nchrF2|nrefs:1|" in out
 
@@ -96,7 +117,9 @@ def test_average_is_the_elementwise_mean(files, run, tmp_path):
     for name, t in avg.model.items():
         torch.testing.assert_close(t, (a.model[name] + b.model[name]) / 2)
     assert avg.tokenizer == b.tokenizer and avg.meta["averaged_steps"] == [250, 300]
-    code, out_text, err = run("evaluate", "--ckpt", out, "--src", files["src"], "--ref", files["ref"], "--json", "--quiet")
+    code, out_text, err = run(
+        "evaluate", "--ckpt", out, "--src", files["src"], "--ref", files["ref"], "--json", "--quiet"
+    )
     assert code == 0 and json.loads(out_text)["bleu"] > 10, err
 
 
@@ -107,9 +130,17 @@ def _training_run(folder, models: dict[int, Consolidated], tokenizer) -> None:
     from megaformer.train.checkpoint import save_checkpoint
 
     for step, m in models.items():
-        save_checkpoint(folder / "checkpoints", step, ParallelContext.single(), {"param": m.model}, {}, {},
-                        {"config": to_dict(m.config), "vocab_size": m.vocab_size, "tokens": 0}, keep_last=10,
-                        tokenizer=tokenizer)
+        save_checkpoint(
+            folder / "checkpoints",
+            step,
+            ParallelContext.single(),
+            {"param": m.model},
+            {},
+            {},
+            {"config": to_dict(m.config), "vocab_size": m.vocab_size, "tokens": 0},
+            keep_last=10,
+            tokenizer=tokenizer,
+        )
 
 
 def test_average_last_checkpoints_of_a_run_directory(files, run, tmp_path):
@@ -126,8 +157,10 @@ def test_average_last_checkpoints_of_a_run_directory(files, run, tmp_path):
         torch.testing.assert_close(t, (a.model[name] + b.model[name]) / 2)
     code, text, err = run("translate", "--ckpt", tmp_path / "run", "--quiet", stdin="red cat\n")
     assert code == 0 and text == "cat red\n", err
-    _one_line_error(*run("average", "--last", 4, "--run-dir", tmp_path / "run", "--out", out)[::2],
-                    "3 complete checkpoints, --last asks for 4")
+    _one_line_error(
+        *run("average", "--last", 4, "--run-dir", tmp_path / "run", "--out", out)[::2],
+        "3 complete checkpoints, --last asks for 4",
+    )
 
 
 def _one_line_error(code, err, *fragments):
@@ -147,16 +180,22 @@ def test_bad_input_is_one_line_and_status_2(files, run, tmp_path):
     _one_line_error(*run("translate", "--ckpt", files["model"], "--input", tmp_path / "none.txt")[::2], "none.txt")
     short_ref = tmp_path / "short.ref"
     short_ref.write_text("one line\n")
-    _one_line_error(*run("evaluate", "--ckpt", files["model"], "--src", files["src"], "--ref", short_ref)[::2],
-                    "short.ref")
+    _one_line_error(
+        *run("evaluate", "--ckpt", files["model"], "--src", files["src"], "--ref", short_ref)[::2], "short.ref"
+    )
     _one_line_error(*run("translate", "--ckpt", files["model"], "--tp", 3, stdin="red\n")[::2], "parallel.tp=3")
-    _one_line_error(*run("average", "--last", 5, "--run-dir", tmp_path, "--out", tmp_path / "x.pt")[::2],
-                    "0 complete checkpoints")
+    _one_line_error(
+        *run("average", "--last", 5, "--run-dir", tmp_path, "--out", tmp_path / "x.pt")[::2], "0 complete checkpoints"
+    )
 
     other = load_consolidated(files["model"])
     cfg = Config()
     cfg.model = ModelConfig(**{**other.config.model.__dict__, "d_ff": 256})
     different = tmp_path / "different.pt"
     save_consolidated(different, Consolidated(cfg, other.model, other.vocab_size, other.tokenizer))
-    _one_line_error(*run("average", "--ckpts", files["model"], different, "--out", tmp_path / "x.pt")[::2],
-                    files["model"], different, "d_ff")
+    _one_line_error(
+        *run("average", "--ckpts", files["model"], different, "--out", tmp_path / "x.pt")[::2],
+        files["model"],
+        different,
+        "d_ff",
+    )

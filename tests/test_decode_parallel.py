@@ -11,8 +11,8 @@ import os
 import random
 
 import torch
-
 from decode_helpers import EOS, model_from_state, one_thread, random_ids, reverse_id_state  # noqa: F401
+
 from launcher.local import spawn
 from megaformer.config import ParallelConfig
 from megaformer.decode.beam import SearchSettings, beam_search, greedy_search

@@ -5,8 +5,8 @@ import random
 
 import pytest
 import torch
-
 from decode_helpers import EOS, collate, model_from_state, one_thread, random_ids, reverse_id_state  # noqa: F401
+
 from megaformer.decode.beam import SearchSettings, beam_search, greedy_search, length_penalty, max_output_lengths
 from megaformer.decode.vocab_topk import vocab_parallel_topk
 from megaformer.parallel import LOCAL
@@ -60,13 +60,16 @@ def test_cached_and_uncached_search_agree(model, sources, beam):
 def test_beam_one_is_greedy(model, sources):
     src = pad(sources)
     for lenpen in (0.0, 0.6, 1.0):
-        same(beam_search(model, src, SearchSettings(beam=1, lenpen=lenpen)),
-             greedy_search(model, src, SearchSettings(lenpen=lenpen)), tol=1e-9)
+        same(
+            beam_search(model, src, SearchSettings(beam=1, lenpen=lenpen)),
+            greedy_search(model, src, SearchSettings(lenpen=lenpen)),
+            tol=1e-9,
+        )
 
 
 def test_length_penalty_matches_hand_computed_values():
     assert length_penalty(1, 0.6) == pytest.approx(1.0)  # ((5 + 1) / 6) ** 0.6
-    assert length_penalty(7, 0.6) == pytest.approx(2.0 ** 0.6)  # (12 / 6) ** 0.6 = 1.515717
+    assert length_penalty(7, 0.6) == pytest.approx(2.0**0.6)  # (12 / 6) ** 0.6 = 1.515717
     assert length_penalty(7, 0.6) == pytest.approx(1.515717, abs=1e-6)
     assert length_penalty(10, 0.6) == pytest.approx(1.732862, abs=1e-6)  # (15 / 6) ** 0.6 = 2.5 ** 0.6
     assert length_penalty(49, 0.5) == pytest.approx(3.0)  # (54 / 6) ** 0.5 = 9 ** 0.5
@@ -109,8 +112,11 @@ def test_a_mixed_batch_equals_one_sentence_at_a_time(model, sources, use_cache):
     batched = beam_search(model, pad(sources), settings)
     alone = [beam_search(model, pad([s]), settings)[0] for s in sources]
     same(batched, alone, tol=1e-4)
-    same(greedy_search(model, pad(sources), settings), [greedy_search(model, pad([s]), settings)[0] for s in sources],
-         tol=1e-4)
+    same(
+        greedy_search(model, pad(sources), settings),
+        [greedy_search(model, pad([s]), settings)[0] for s in sources],
+        tol=1e-4,
+    )
 
 
 def test_topk_ties_go_to_the_lower_id_and_masks_hold():

@@ -1,6 +1,5 @@
 """The engine pieces: generated DeepSpeed config, the schedule, gradient accumulation, activation checkpointing."""
 
-import math
 import os
 
 import pytest
@@ -63,8 +62,13 @@ def _double(a, b):
         pad = lambda z: torch.nn.functional.pad(z, (0, width - z.shape[1]))  # noqa: E731
         return torch.cat([pad(x), pad(y)])
 
-    return Batch(cat(a.src, b.src), cat(a.tgt_in, b.tgt_in), cat(a.tgt_out, b.tgt_out),
-                 a.src_tokens + b.src_tokens, a.tgt_tokens + b.tgt_tokens)
+    return Batch(
+        cat(a.src, b.src),
+        cat(a.tgt_in, b.tgt_in),
+        cat(a.tgt_out, b.tgt_out),
+        a.src_tokens + b.src_tokens,
+        a.tgt_tokens + b.tgt_tokens,
+    )
 
 
 def _accumulation_worker(zero_stage: int) -> int:
@@ -77,8 +81,9 @@ def _accumulation_worker(zero_stage: int) -> int:
     # ~lr whatever its sign, so the rounding noise of a different summation order (two
     # micro-batches or one double batch) decides its update. The accumulation is what is
     # tested here; the gradients themselves are compared at eps's default below.
-    cfg = load_config(TINY, ["model.dropout=0", f"train.zero_stage={zero_stage}", "train.warmup_steps=4",
-                             "train.adam_eps=1e-3"])
+    cfg = load_config(
+        TINY, ["model.dropout=0", f"train.zero_stage={zero_stage}", "train.warmup_steps=4", "train.adam_eps=1e-3"]
+    )
     ctx = ParallelContext.initialize(cfg.parallel, 0, 1, single_process_group=True)
     micro = _batches(cfg)
     tokens = sum(b.tgt_tokens for b in micro)
@@ -91,8 +96,12 @@ def _accumulation_worker(zero_stage: int) -> int:
         results.append({n: p.detach().clone() for n, p in model.named_parameters()})
     worst = max((results[0][n] - results[1][n]).abs().max().item() for n in results[0])
     assert worst <= 1e-6, f"2 x micro-batch vs one double batch: max parameter difference {worst:.3e}"
-    moved = max((results[0][n] - p.detach()).abs().max().item()
-                for n, p in Transformer(cfg.model, cfg.data.vocab_size, ctx.tp, DropoutRNG(1, ctx.tp), seed=7).named_parameters())
+    moved = max(
+        (results[0][n] - p.detach()).abs().max().item()
+        for n, p in Transformer(
+            cfg.model, cfg.data.vocab_size, ctx.tp, DropoutRNG(1, ctx.tp), seed=7
+        ).named_parameters()
+    )
     assert moved > 1e-4, "the steps did not change the weights"
     return 0
 
@@ -135,13 +144,13 @@ def test_accumulated_gradient_equals_double_batch_gradient(dtype):
 
 def _checkpointing_worker() -> int:
     from megaformer.model import Transformer
-    from megaformer.parallel import DropoutRNG, ParallelContext, gather_full_state
+    from megaformer.parallel import DropoutRNG, ParallelContext
     from megaformer.parity import random_batch
 
     cfg = load_config(TINY, ["parallel.tp=2", "model.attention_dropout=0.1", "model.activation_dropout=0.1"])
     ctx = ParallelContext.initialize(cfg.parallel, int(os.environ["RANK"]), 2)
     src, tgt_in, tgt_out = random_batch(cfg.data.vocab_size, 4, 12, 10, seed=3)
-    grads = []
+    grads, reference_state = [], None
     for checkpointing in (False, True):
         cfg.model.activation_checkpointing = checkpointing
         model = Transformer(cfg.model, cfg.data.vocab_size, ctx.tp, DropoutRNG(5, ctx.tp), seed=5)

@@ -31,9 +31,21 @@ def test_per_rank_parameters_shrink_with_tp():
 
 def test_info_command_json():
     proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "info", "--config", "configs/transformer_big.yaml",
-         "--set", "data.vocab_size=37000", "--json"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "megaformer.cli",
+            "info",
+            "--config",
+            "configs/transformer_big.yaml",
+            "--set",
+            "data.vocab_size=37000",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
@@ -44,9 +56,20 @@ def test_info_command_json():
 
 def test_info_command_rejects_bad_layout():
     proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "info", "--config", "configs/transformer_base.yaml",
-         "--set", "parallel.tp=3"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "megaformer.cli",
+            "info",
+            "--config",
+            "configs/transformer_base.yaml",
+            "--set",
+            "parallel.tp=3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "num_heads=8 is not divisible by parallel.tp=3" in proc.stderr and "Traceback" not in proc.stderr

@@ -59,7 +59,10 @@ def test_vocab_padding():
 def test_parity_command_rejects_bad_layout_before_starting_processes():
     proc = subprocess.run(
         [sys.executable, "-m", "megaformer.cli", "parity", "--config", "configs/tiny.yaml", "--tp", "3"],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.returncode == 2
     assert "model.num_heads=4 is not divisible by parallel.tp=3" in proc.stderr

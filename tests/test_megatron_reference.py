@@ -42,8 +42,8 @@ import contextlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -145,8 +145,14 @@ def _megatron_column(cfg, group, d_in: int, d_out: int, bias: bool = True, gathe
     from megatron.core.tensor_parallel import ColumnParallelLinear as MColumn
 
     return MColumn(
-        d_in, d_out, config=cfg, init_method=torch.nn.init.zeros_, bias=bias,
-        gather_output=gather_output, skip_bias_add=False, tp_group=group,
+        d_in,
+        d_out,
+        config=cfg,
+        init_method=torch.nn.init.zeros_,
+        bias=bias,
+        gather_output=gather_output,
+        skip_bias_add=False,
+        tp_group=group,
     )
 
 
@@ -154,8 +160,14 @@ def _megatron_row(cfg, group, d_in: int, d_out: int, bias: bool = True):
     from megatron.core.tensor_parallel import RowParallelLinear as MRow
 
     return MRow(
-        d_in, d_out, config=cfg, init_method=torch.nn.init.zeros_, bias=bias,
-        input_is_parallel=True, skip_bias_add=False, tp_group=group,
+        d_in,
+        d_out,
+        config=cfg,
+        init_method=torch.nn.init.zeros_,
+        bias=bias,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        tp_group=group,
     )
 
 
@@ -183,8 +195,9 @@ def _compare(
     for name, (ours, ref) in layers.items():
         out[f"{name}.weight.grad"] = _diff(ours.weight.grad, ref.weight.grad)
         if ours.bias is not None or ref.bias is not None:
-            out[f"{name}.bias.grad"] = _diff(ours.bias.grad if ours.bias is not None else None,
-                                             ref.bias.grad if ref.bias is not None else None)
+            out[f"{name}.bias.grad"] = _diff(
+                ours.bias.grad if ours.bias is not None else None, ref.bias.grad if ref.bias is not None else None
+            )
     return out
 
 
@@ -207,9 +220,7 @@ def _case_shard_layout(tp: TPGroup, group, shim: bool) -> dict[str, list[float]]
     }
 
 
-def _column(
-    tp: TPGroup, group, shim: bool, bias: bool = True, gather_output: bool = False
-) -> dict[str, list[float]]:
+def _column(tp: TPGroup, group, shim: bool, bias: bool = True, gather_output: bool = False) -> dict[str, list[float]]:
     ours = ColumnParallelLinear(D_IN, D_OUT, tp, bias=bias, gather_output=gather_output)
     x = _leaf(_randn(10, BATCH, SEQ, D_IN))  # replicated input
     d_local = D_OUT if gather_output else D_OUT // tp.size
@@ -343,8 +354,10 @@ def _run_cases(tp_size: int, tp: TPGroup, group, results: dict) -> None:
             from megatron.core import __version__
 
             cause = f"{type(err.__cause__).__name__}: {err.__cause__}"
-            results[name] = {"skip": f"megatron-core {__version__} cannot run this case on CPU/gloo, "
-                                     f"even with its buffers on the CPU: {cause}"}
+            results[name] = {
+                "skip": f"megatron-core {__version__} cannot run this case on CPU/gloo, "
+                f"even with its buffers on the CPU: {cause}"
+            }
 
 
 def _worker(out_dir: str) -> int:

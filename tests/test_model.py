@@ -39,8 +39,17 @@ def test_sinusoidal_positions_follow_the_paper():
 def _torch_reference(model: Transformer) -> nn.Transformer:
     """torch.nn.Transformer (pre-LN, whose final encoder/decoder norms match ours) holding our weights."""
     c = model.cfg
-    ref = nn.Transformer(c.d_model, c.num_heads, c.encoder_layers, c.decoder_layers, c.d_ff, dropout=0.0,
-                         batch_first=True, norm_first=True, layer_norm_eps=c.layernorm_eps)
+    ref = nn.Transformer(
+        c.d_model,
+        c.num_heads,
+        c.encoder_layers,
+        c.decoder_layers,
+        c.d_ff,
+        dropout=0.0,
+        batch_first=True,
+        norm_first=True,
+        layer_norm_eps=c.layernorm_eps,
+    )
     d = c.d_model
     with torch.no_grad():
         for ours, theirs in zip(model.encoder, ref.encoder.layers):
@@ -48,8 +57,12 @@ def _torch_reference(model: Transformer) -> nn.Transformer:
             theirs.self_attn.in_proj_bias.copy_(ours.self_attn.qkv.bias)
             theirs.self_attn.out_proj.weight.copy_(ours.self_attn.out.weight)
             theirs.self_attn.out_proj.bias.copy_(ours.self_attn.out.bias)
-            for a, b in ((ours.ffn.fc1, theirs.linear1), (ours.ffn.fc2, theirs.linear2),
-                         (ours.norm1, theirs.norm1), (ours.norm2, theirs.norm2)):
+            for a, b in (
+                (ours.ffn.fc1, theirs.linear1),
+                (ours.ffn.fc2, theirs.linear2),
+                (ours.norm1, theirs.norm1),
+                (ours.norm2, theirs.norm2),
+            ):
                 b.weight.copy_(a.weight), b.bias.copy_(a.bias)
         for ours, theirs in zip(model.decoder, ref.decoder.layers):
             theirs.self_attn.in_proj_weight.copy_(ours.self_attn.qkv.weight)
@@ -60,8 +73,13 @@ def _torch_reference(model: Transformer) -> nn.Transformer:
             theirs.multihead_attn.in_proj_bias.copy_(torch.cat([ours.cross_attn.q.bias, ours.cross_attn.kv.bias]))
             theirs.multihead_attn.out_proj.weight.copy_(ours.cross_attn.out.weight)
             theirs.multihead_attn.out_proj.bias.copy_(ours.cross_attn.out.bias)
-            for a, b in ((ours.ffn.fc1, theirs.linear1), (ours.ffn.fc2, theirs.linear2), (ours.norm1, theirs.norm1),
-                         (ours.norm2, theirs.norm2), (ours.norm3, theirs.norm3)):
+            for a, b in (
+                (ours.ffn.fc1, theirs.linear1),
+                (ours.ffn.fc2, theirs.linear2),
+                (ours.norm1, theirs.norm1),
+                (ours.norm2, theirs.norm2),
+                (ours.norm3, theirs.norm3),
+            ):
                 b.weight.copy_(a.weight), b.bias.copy_(a.bias)
         for a, b in ((model.encoder_norm, ref.encoder.norm), (model.decoder_norm, ref.decoder.norm)):
             b.weight.copy_(a.weight), b.bias.copy_(a.bias)
@@ -83,11 +101,18 @@ def test_model_equals_torch_nn_transformer():
         return F.embedding(ids, emb) * math.sqrt(cfg.d_model) + pe[: ids.shape[1]]
 
     causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1])
-    hidden = ref(embed(src), embed(tgt_in), tgt_mask=causal, src_key_padding_mask=src.eq(0),
-                 memory_key_padding_mask=src.eq(0), tgt_is_causal=True)
+    hidden = ref(
+        embed(src),
+        embed(tgt_in),
+        tgt_mask=causal,
+        src_key_padding_mask=src.eq(0),
+        memory_key_padding_mask=src.eq(0),
+        tgt_is_causal=True,
+    )
     ref_logits = F.linear(hidden, emb)
-    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1,
-                               reduction="sum")
+    ref_loss = F.cross_entropy(
+        ref_logits.flatten(0, 1), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
     model.eval()
     logits = model(src, tgt_in)[..., :VOCAB]
     real = tgt_in.ne(0)  # padded target positions are not compared: their outputs are never used

@@ -48,13 +48,20 @@ def _seq_part(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 def check_column(tp: TPGroup, sequence_parallel: bool, partitions: int, gather_output: bool) -> None:
     full_w, full_b = _inputs(1, partitions * OUT, D), _inputs(2, partitions * OUT)
     ref = nn.Linear(D, partitions * OUT)
-    layer = ColumnParallelLinear(D, partitions * OUT, tp, partitions=partitions, gather_output=gather_output,
-                                 sequence_parallel=sequence_parallel)
+    layer = ColumnParallelLinear(
+        D, partitions * OUT, tp, partitions=partitions, gather_output=gather_output, sequence_parallel=sequence_parallel
+    )
     with torch.no_grad():
         ref.weight.copy_(full_w), ref.bias.copy_(full_b)
-        layer.weight.copy_(shard_full(full_w, 0, partitions, tp)), layer.bias.copy_(shard_full(full_b, 0, partitions, tp))
+        (
+            layer.weight.copy_(shard_full(full_w, 0, partitions, tp)),
+            layer.bias.copy_(shard_full(full_b, 0, partitions, tp)),
+        )
     x = _inputs(3, B, S, D)
-    x_ref, x_local = x.clone().requires_grad_(), (_seq_part(x, tp) if sequence_parallel and tp.size > 1 else x).clone().requires_grad_()
+    x_ref, x_local = (
+        x.clone().requires_grad_(),
+        (_seq_part(x, tp) if sequence_parallel and tp.size > 1 else x).clone().requires_grad_(),
+    )
     y_ref, y = ref(x_ref), layer(x_local)
     grad = _inputs(4, *y_ref.shape)
     expected = y_ref if gather_output else shard_full(y_ref, 2, partitions, tp)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from launcher.local import spawn
@@ -24,8 +23,12 @@ WIDE = ["model.d_model=384", "model.num_heads=12", "model.d_ff=768", "data.vocab
 VARIANTS = {
     "tiny": [],
     "tiny-sp": ["parallel.sequence_parallel=true"],
-    "tiny-pre-ln-all-dropouts-sp": ["model.norm=pre", "model.attention_dropout=0.1", "model.activation_dropout=0.2",
-                                    "parallel.sequence_parallel=true"],
+    "tiny-pre-ln-all-dropouts-sp": [
+        "model.norm=pre",
+        "model.attention_dropout=0.1",
+        "model.activation_dropout=0.2",
+        "parallel.sequence_parallel=true",
+    ],
     "12-heads": WIDE,
     "12-heads-sp": WIDE + ["parallel.sequence_parallel=true"],
 }
@@ -42,7 +45,9 @@ def _parity_worker(tp: int) -> int:
         report = check_parity(cfg, ctx)
         if report is not None:
             worst_name, worst = report.worst()
-            print(f"TP={tp} {name}: loss {report.loss:.6f} vs {report.reference_loss:.6f}, worst {worst:.2e} ({worst_name})")
+            print(
+                f"TP={tp} {name}: loss {report.loss:.6f} vs {report.reference_loss:.6f}, worst {worst:.2e} ({worst_name})"
+            )
             if worst > 1e-5:
                 failures.append(f"{name}: {worst_name} relative difference {worst:.3e}")
     ctx.destroy()
@@ -73,8 +78,15 @@ def test_parity_detects_differing_dropout_masks():
 class _CountingCollectives:
     """Wraps the torch.distributed collectives and counts the calls made inside ``with``."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-             "reduce_scatter_tensor", "broadcast")
+    NAMES = (
+        "all_reduce",
+        "all_gather",
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "broadcast",
+    )
 
     def __init__(self):
         self.counts = {n: 0 for n in self.NAMES}
@@ -111,7 +123,9 @@ def _count_worker() -> int:
     with _CountingCollectives() as loss_counts:
         from megaformer.parallel import vocab_parallel_cross_entropy
 
-        loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ctx.tp, cfg.data.vocab_size, 0.1, 0)
+        loss = vocab_parallel_cross_entropy(
+            logits.flatten(0, 1), tgt_out.flatten(), ctx.tp, cfg.data.vocab_size, 0.1, 0
+        )
     enc, dec = cfg.model.encoder_layers, cfg.model.decoder_layers
     embeddings = 2  # one vocab-parallel lookup for the source, one for the target
     expected = 2 * enc + 3 * dec + embeddings

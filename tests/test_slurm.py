@@ -19,8 +19,11 @@ def test_bash_syntax(script):
 
 
 def _shellcheck() -> str | None:
-    return shutil.which("shellcheck") or (str(Path(sys.executable).parent / "shellcheck")
-                                          if (Path(sys.executable).parent / "shellcheck").exists() else None)
+    return shutil.which("shellcheck") or (
+        str(Path(sys.executable).parent / "shellcheck")
+        if (Path(sys.executable).parent / "shellcheck").exists()
+        else None
+    )
 
 
 def test_shellcheck():
@@ -41,8 +44,13 @@ def test_directives(script):
 
 def test_launch_under_fake_slurm(tmp_path):
     corpus = tmp_path / "corpus"
-    prep = subprocess.run([sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "300", "--out", str(corpus),
-                           "--quiet"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    prep = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "300", "--out", str(corpus), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert prep.returncode == 0, prep.stderr
     submit = tmp_path / "submit"
     submit.mkdir()
@@ -63,10 +71,27 @@ def test_launch_under_fake_slurm(tmp_path):
         "FAKE_SCONTROL_LOG": str(tmp_path / "scontrol.log"),
     }
     proc = subprocess.run(
-        ["bash", str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "train.max_steps=1",
-         "--set", "train.log_interval=1", "--set", "data.max_tokens=512", "--set", "train.tokens_per_step=512",
-         "--set", "data.num_workers=0"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+        [
+            "bash",
+            str(ROOT / "slurm" / "train_base.sh"),
+            "--set",
+            f"data.path={corpus}",
+            "--set",
+            "train.max_steps=1",
+            "--set",
+            "train.log_interval=1",
+            "--set",
+            "data.max_tokens=512",
+            "--set",
+            "train.tokens_per_step=512",
+            "--set",
+            "data.num_workers=0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = submit / "runs" / "megaformer-base-31337"

@@ -26,26 +26,64 @@ TINY = ROOT / "configs" / "tiny.yaml"
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("corpus") / "synthetic"
-    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out),
-                           "--quiet"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return out
 
 
 def common(corpus: Path) -> list[str]:
     # A short warm-up to a high learning rate, so that runs of 30 steps show the loss falling.
-    return [f"data.path={corpus}", "data.max_tokens=512", "data.num_workers=0", "train.tokens_per_step=1024",
-            "train.log_interval=1", "train.eval_interval=0", "train.save_interval=10", "train.keep_last=5",
-            "train.lr_scale=2.0", "train.warmup_steps=100"]
+    return [
+        f"data.path={corpus}",
+        "data.max_tokens=512",
+        "data.num_workers=0",
+        "train.tokens_per_step=1024",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        "train.save_interval=10",
+        "train.keep_last=5",
+        "train.lr_scale=2.0",
+        "train.warmup_steps=100",
+    ]
 
 
-def train(run_dir: Path, nproc: int, sets: list[str], fault: str = "", extra_env: dict | None = None,
-          resume: str = "auto", timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{FAKES}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
-           "MEGAFORMER_TEST_FAULT": fault, **(extra_env or {})}
+def train(
+    run_dir: Path,
+    nproc: int,
+    sets: list[str],
+    fault: str = "",
+    extra_env: dict | None = None,
+    resume: str = "auto",
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{FAKES}{os.pathsep}{ROOT}",
+        "OMP_NUM_THREADS": "1",
+        "MEGAFORMER_TEST_FAULT": fault,
+        **(extra_env or {}),
+    }
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    args = [sys.executable, "-m", "megaformer.cli", "train", "--config", str(TINY), "--run-dir", str(run_dir),
-            "--nproc", str(nproc), "--resume", resume]
+    args = [
+        sys.executable,
+        "-m",
+        "megaformer.cli",
+        "train",
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(run_dir),
+        "--nproc",
+        str(nproc),
+        "--resume",
+        resume,
+    ]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
@@ -107,8 +145,13 @@ def test_dp2_zero2_trains_with_falling_loss(dp2_run):
 
 def test_tp2_dp2_trains_with_falling_loss(corpus, tmp_path):
     run = tmp_path / "run"
-    ok(train(run, 4, common(corpus) + ["parallel.tp=2", "train.zero_stage=2", "train.max_steps=30",
-                                       "train.save_interval=0"]))
+    ok(
+        train(
+            run,
+            4,
+            common(corpus) + ["parallel.tp=2", "train.zero_stage=2", "train.max_steps=30", "train.save_interval=0"],
+        )
+    )
     assert falling(losses(run))
 
 
@@ -182,15 +225,25 @@ def test_reshard_and_export_commands(tp2_run, tmp_path):
     from megaformer.train.checkpoint import consolidate, load_consolidated, read_meta
 
     out = tmp_path / "tp4"
-    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "reshard", "--in", str(tp2_run), "--out", str(out),
-                           "--tp", "4"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "reshard", "--in", str(tp2_run), "--out", str(out), "--tp", "4"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     ok(proc)
     step_dir = out / "step-00000030"
     meta = read_meta(step_dir)
     assert meta["layout"]["tp"] == 4 and len([f for f in meta["files"] if f.startswith("model-")]) == 4
     model_file = tmp_path / "model.pt"
-    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "export", "--ckpt", str(tp2_run), "--out",
-                           str(model_file)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "export", "--ckpt", str(tp2_run), "--out", str(model_file)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     ok(proc)
     exported = load_consolidated(model_file)
     resharded = consolidate(step_dir)
@@ -206,8 +259,13 @@ def test_usr1_saves_and_requeues_once(corpus, tmp_path):
     run, log = tmp_path / "run", tmp_path / "scontrol.log"
     env = {"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "FAKE_SCONTROL_LOG": str(log)}
     # The warning reaches one rank of two: both agree to stop after the same step.
-    proc = train(run, 2, common(corpus) + ["train.max_steps=30", "train.save_interval=0"],
-                 fault="usr1:rank=1:step=5", extra_env=env)
+    proc = train(
+        run,
+        2,
+        common(corpus) + ["train.max_steps=30", "train.save_interval=0"],
+        fault="usr1:rank=1:step=5",
+        extra_env=env,
+    )
     ok(proc)
     # Ranks agree on signals in the next step's all-reduce: both stop after step 6.
     assert json.loads((run / "checkpoints" / "step-00000006" / "meta.json").read_text())["reason"] == "SIGUSR1"
@@ -218,8 +276,9 @@ def test_usr1_saves_and_requeues_once(corpus, tmp_path):
 def test_sigterm_saves_without_requeue(corpus, tmp_path):
     run, log = tmp_path / "run", tmp_path / "scontrol.log"
     env = {"PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4243", "FAKE_SCONTROL_LOG": str(log)}
-    proc = train(run, 1, common(corpus) + ["train.max_steps=30", "train.save_interval=0"], fault="term:step=4",
-                 extra_env=env)
+    proc = train(
+        run, 1, common(corpus) + ["train.max_steps=30", "train.save_interval=0"], fault="term:step=4", extra_env=env
+    )
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert json.loads((run / "checkpoints" / "step-00000005" / "meta.json").read_text())["reason"] == "SIGTERM"
     assert not log.exists()
@@ -244,15 +303,34 @@ def test_requeue_refuses_without_progress(monkeypatch, tmp_path):
 
 def test_bf16_trains(corpus, tmp_path):
     run = tmp_path / "run"
-    ok(train(run, 1, common(corpus) + ["train.precision=bf16", "train.zero_stage=1", "train.max_steps=25",
-                                       "train.save_interval=0"]))
+    ok(
+        train(
+            run,
+            1,
+            common(corpus)
+            + ["train.precision=bf16", "train.zero_stage=1", "train.max_steps=25", "train.save_interval=0"],
+        )
+    )
     assert falling(losses(run))
 
 
 def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):
     run = tmp_path / "run"
-    ok(train(run, 1, common(corpus) + ["train.precision=fp16", "train.zero_stage=1", "train.max_steps=25",
-                                       "train.fp16_hysteresis=1", "train.save_interval=25"], fault="overflow:step=8"))
+    ok(
+        train(
+            run,
+            1,
+            common(corpus)
+            + [
+                "train.precision=fp16",
+                "train.zero_stage=1",
+                "train.max_steps=25",
+                "train.fp16_hysteresis=1",
+                "train.save_interval=25",
+            ],
+            fault="overflow:step=8",
+        )
+    )
     curve = losses(run)
     assert falling({s: r for s, r in curve.items() if math.isfinite(r["loss"])})
     assert curve[7]["skipped_steps"] == 0 and curve[8]["skipped_steps"] == 1
@@ -265,7 +343,26 @@ def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):
 
 
 def test_mixed_precision_needs_zero(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megaformer.cli", "train", "--config", str(TINY), "--run-dir",
-                           str(tmp_path), "--set", "train.precision=bf16", "--set", "train.zero_stage=0",
-                           "--set", f"data.path={tmp_path}"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megaformer.cli",
+            "train",
+            "--config",
+            str(TINY),
+            "--run-dir",
+            str(tmp_path),
+            "--set",
+            "train.precision=bf16",
+            "--set",
+            "train.zero_stage=0",
+            "--set",
+            f"data.path={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "train.zero_stage=1" in proc.stderr and "Traceback" not in proc.stderr

@@ -124,7 +124,7 @@ def _report(summary: dict) -> str:
         lines += ["", f"{name}: tokens per sentence (without eos)     source | target"]
         for i, (a, b) in enumerate(zip(hist["src"], hist["tgt"])):
             lo = i * hist["bin_width"]
-            bar = lambda n: "#" * round(30 * n / peak)  # noqa: E731
+            bar = lambda n, peak=peak: "#" * round(30 * n / peak)
             lines.append(f"  {lo:>4}-{lo + hist['bin_width'] - 1:<4} {a:>8,} {bar(a):<30} | {b:>8,} {bar(b)}")
     return "\n".join(lines)
 

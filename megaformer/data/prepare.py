@@ -344,9 +344,10 @@ class Preparation:
         writer = ShardWriter(self.work, split, self.args.shard_size, token_dtype(tokenizer.vocab_size))
         raw_src, raw_ref = f"{split}.{self.src}", f"{split}.{self.tgt}"
         self.progress.start()
-        with open(self.work / raw_src, "w", encoding="utf-8") as fs, open(
-            self.work / raw_ref, "w", encoding="utf-8"
-        ) as ft:
+        with (
+            open(self.work / raw_src, "w", encoding="utf-8") as fs,
+            open(self.work / raw_ref, "w", encoding="utf-8") as ft,
+        ):
             for chunk in _chunks((reference_text(line) for line in corpus), _ENCODE_CHUNK):
                 for s, t in chunk:
                     fs.write(one_line(s) + "\n")

@@ -17,7 +17,9 @@ from megaformer.train.checkpoint import save_consolidated
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--ckpts", nargs="+", metavar="CKPT", help="model files or checkpoint step directories to average")
+    which.add_argument(
+        "--ckpts", nargs="+", metavar="CKPT", help="model files or checkpoint step directories to average"
+    )
     which.add_argument("--last", type=int, metavar="N", help="average the N newest checkpoints of --run-dir")
     parser.add_argument("--run-dir", help="training run directory (with --last)")
     parser.add_argument("--out", required=True, help="where the averaged model file goes")

@@ -77,7 +77,7 @@ class SearchSettings:
     use_cache: bool = True  # False: recompute the whole prefix every step
 
     @classmethod
-    def from_config(cls, cfg: DecodeConfig, **overrides) -> "SearchSettings":
+    def from_config(cls, cfg: DecodeConfig, **overrides) -> SearchSettings:
         """Settings from the decode config, with keyword overrides (None values are ignored)."""
         values = dict(beam=cfg.beam, lenpen=cfg.lenpen, max_len_a=cfg.max_len_a, max_len_b=cfg.max_len_b)
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -115,8 +115,7 @@ def _check(model: Transformer, src: torch.Tensor, beam: int) -> None:
         raise ValueError("decode with a model built without sequence parallelism")
     selectable = model.vocab_size - 2  # pad and bos are never produced
     if 2 * beam > selectable:
-        raise ValueError(f"beam {beam} needs {2 * beam} candidate tokens, "
-                         f"the vocabulary has {selectable}")
+        raise ValueError(f"beam {beam} needs {2 * beam} candidate tokens, the vocabulary has {selectable}")
     if src.dim() != 2 or src.shape[0] == 0:
         raise ValueError(f"src must be a non-empty (batch, src_len) tensor of ids, got shape {tuple(src.shape)}")
     if not bool(src.ne(model.pad_id).any(-1).all()):
@@ -175,8 +174,16 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
         limit = limits[active]  # (m,)
         ban_eos, only_eos = _end_masks(limit.repeat_interleave(beam), step, settings.min_len, device)
         logits = _step_logits(model, tokens, memory, memory_mask, cache)
-        cand = vocab_parallel_topk(logits, k, model.tp, model.vocab_size, never=(model.pad_id, BOS_ID),
-                                   eos_id=EOS_ID, ban_eos=ban_eos, only_eos=only_eos)
+        cand = vocab_parallel_topk(
+            logits,
+            k,
+            model.tp,
+            model.vocab_size,
+            never=(model.pad_id, BOS_ID),
+            eos_id=EOS_ID,
+            ban_eos=ban_eos,
+            only_eos=only_eos,
+        )
         kc = cand.token.shape[1]
         total = (scores.unsqueeze(-1) + cand.logprob).view(m, beam * kc)  # (m, beam kc)
         order = total.argsort(dim=-1, descending=True, stable=True)[:, :k]  # (m, 2 beam)
@@ -203,8 +210,10 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
         next_row, next_token, next_score = row.gather(-1, live), token.gather(-1, live), top.gather(-1, live)
 
         counts = torch.tensor([len(finished[int(s)]) for s in active])
-        future_lp = torch.maximum(length_penalty(limit.double() + 1, settings.lenpen),
-                                  torch.full((m,), length_penalty(step + 2, settings.lenpen), dtype=torch.float64))
+        future_lp = torch.maximum(
+            length_penalty(limit.double() + 1, settings.lenpen),
+            torch.full((m,), length_penalty(step + 2, settings.lenpen), dtype=torch.float64),
+        )
         best_live = next_score[:, 0].cpu()  # candidates are sorted: the first live one is the best
         hopeless = (counts > 0) & (best_live / future_lp <= best_done[active])
         done = (counts >= beam) | (limit <= step) | hopeless  # (m,)
@@ -242,8 +251,16 @@ def greedy_search(model: Transformer, src: torch.Tensor, settings: SearchSetting
     for step in range(int(limits.max()) + 1):
         ban_eos, only_eos = _end_masks(limits[active], step, settings.min_len, device)
         logits = _step_logits(model, tokens, memory, memory_mask, cache)
-        cand = vocab_parallel_topk(logits, 1, model.tp, model.vocab_size, never=(model.pad_id, BOS_ID),
-                                   eos_id=EOS_ID, ban_eos=ban_eos, only_eos=only_eos)
+        cand = vocab_parallel_topk(
+            logits,
+            1,
+            model.tp,
+            model.vocab_size,
+            never=(model.pad_id, BOS_ID),
+            eos_id=EOS_ID,
+            ban_eos=ban_eos,
+            only_eos=only_eos,
+        )
         token = cand.token[:, 0]
         scores = scores + cand.logprob[:, 0]
         ended = token.eq(EOS_ID).cpu()

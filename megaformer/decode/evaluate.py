@@ -66,8 +66,11 @@ def _differences(a: Consolidated, b: Consolidated) -> list[str]:
         only = sorted(set(a.model) ^ set(b.model))
         found.append(f"parameter names differ ({', '.join(only[:3])}{' ...' if len(only) > 3 else ''})")
     else:
-        found += [f"{n} shape {tuple(a.model[n].shape)} vs {tuple(b.model[n].shape)}"
-                  for n in a.model if a.model[n].shape != b.model[n].shape][:3]
+        found += [
+            f"{n} shape {tuple(a.model[n].shape)} vs {tuple(b.model[n].shape)}"
+            for n in a.model
+            if a.model[n].shape != b.model[n].shape
+        ][:3]
     return found
 
 

@@ -14,7 +14,13 @@ import json
 
 from megaformer.decode.evaluate import corpus_scores
 from megaformer.decode.loading import load_model_file
-from megaformer.decode.translate import add_search_arguments, read_lines, settings_from_args, translate_text, write_lines
+from megaformer.decode.translate import (
+    add_search_arguments,
+    read_lines,
+    settings_from_args,
+    translate_text,
+    write_lines,
+)
 from megaformer.errors import DataError
 
 
@@ -33,8 +39,9 @@ def main(args: argparse.Namespace) -> int:
         raise DataError(f"{args.src} has {len(sources)} lines but {args.ref} has {len(references)}")
     model = load_model_file(args.ckpt)
     settings = settings_from_args(args, model)
-    hypotheses, seconds = translate_text(args.ckpt, model, sources, settings, max_tokens=args.max_tokens,
-                                         tp=args.tp, quiet=args.quiet, source=args.src)
+    hypotheses, seconds = translate_text(
+        args.ckpt, model, sources, settings, max_tokens=args.max_tokens, tp=args.tp, quiet=args.quiet, source=args.src
+    )
     if args.out:
         write_lines(args.out, hypotheses)
     try:
@@ -42,12 +49,19 @@ def main(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as err:  # sacreBLEU rejects an unknown tokenizer
         raise DataError(f"--tokenize {args.tokenize}: {err}") from None
     if args.json:
-        print(json.dumps({
-            "bleu": round(scores.bleu, 4), "chrf": round(scores.chrf, 4),
-            "signature": scores.bleu_signature, "chrf_signature": scores.chrf_signature,
-            "sentences": len(sources), "seconds": round(seconds, 3),
-            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "use_cache"},
-        }))
+        print(
+            json.dumps(
+                {
+                    "bleu": round(scores.bleu, 4),
+                    "chrf": round(scores.chrf, 4),
+                    "signature": scores.bleu_signature,
+                    "chrf_signature": scores.chrf_signature,
+                    "sentences": len(sources),
+                    "seconds": round(seconds, 3),
+                    "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "use_cache"},
+                }
+            )
+        )
     else:
         print(scores.bleu_text)
         print(scores.chrf_text)

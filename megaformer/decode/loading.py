@@ -41,7 +41,9 @@ def check_layout(model: Consolidated, tp_size: int, *, source: str = "") -> None
         )
 
 
-def build_model(model: Consolidated, tp: TPGroup, device: torch.device | str = "cpu", *, source: str = "") -> Transformer:
+def build_model(
+    model: Consolidated, tp: TPGroup, device: torch.device | str = "cpu", *, source: str = ""
+) -> Transformer:
     """A Transformer holding this rank's slices of ``model``'s parameters, in eval mode.
 
     ``source`` names the file in error messages. A shape that does not split over

@@ -77,7 +77,9 @@ def write_lines(path: str | Path | None, lines: Sequence[str]) -> None:
         raise DataError(f"{path}: cannot write ({err.strerror})") from None
 
 
-def encode_lines(sp: spm.SentencePieceProcessor, lines: Sequence[str], max_positions: int, source: str) -> list[list[int]]:
+def encode_lines(
+    sp: spm.SentencePieceProcessor, lines: Sequence[str], max_positions: int, source: str
+) -> list[list[int]]:
     """Token ids + eos of each line; [] for a blank line. A line the model cannot hold is a DataError."""
     out = []
     for number, line in enumerate(lines, start=1):
@@ -85,8 +87,10 @@ def encode_lines(sp: spm.SentencePieceProcessor, lines: Sequence[str], max_posit
         if ids:
             ids.append(EOS_ID)
             if len(ids) > max_positions:
-                raise DataError(f"{source}: line {number} has {len(ids)} tokens with eos; "
-                                f"the model holds at most model.max_positions={max_positions}: split the line")
+                raise DataError(
+                    f"{source}: line {number} has {len(ids)} tokens with eos; "
+                    f"the model holds at most model.max_positions={max_positions}: split the line"
+                )
         out.append(ids)
     return out
 
@@ -128,14 +132,21 @@ class Progress:
         if self.enabled and now - self.last >= 1.0 and done < self.total:
             self.last = now
             rate = done / max(now - self.start, 1e-9)
-            print(f"translated {done}/{self.total} sentences ({rate:.1f} sentences/s)",
-                  end="\r" if self.tty else "\n", file=sys.stderr, flush=True)
+            print(
+                f"translated {done}/{self.total} sentences ({rate:.1f} sentences/s)",
+                end="\r" if self.tty else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self, done: int) -> float:
         seconds = time.monotonic() - self.start
         if self.enabled:
-            print(f"translated {done} sentences in {seconds:.1f} s ({done / max(seconds, 1e-9):.1f} sentences/s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"translated {done} sentences in {seconds:.1f} s ({done / max(seconds, 1e-9):.1f} sentences/s)",
+                file=sys.stderr,
+                flush=True,
+            )
         return seconds
 
 
@@ -250,20 +261,27 @@ def translate_text(
 
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``translate`` and ``evaluate``; unset ones come from the checkpoint's config."""
-    parser.add_argument("--ckpt", required=True, help="model file, checkpoint step directory, or run directory (its newest checkpoint)")
+    parser.add_argument(
+        "--ckpt", required=True, help="model file, checkpoint step directory, or run directory (its newest checkpoint)"
+    )
     parser.add_argument("--beam", type=int, help="beam size (default: the checkpoint's decode.beam, the paper's 4)")
     parser.add_argument("--lenpen", type=float, help="length penalty alpha (default: decode.lenpen, the paper's 0.6)")
-    parser.add_argument("--max-len-a", type=float, help="at most a * source length + b output tokens (default: decode.max_len_a)")
+    parser.add_argument(
+        "--max-len-a", type=float, help="at most a * source length + b output tokens (default: decode.max_len_a)"
+    )
     parser.add_argument("--max-len-b", type=int, help="(default: decode.max_len_b)")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch, padding included (default 4096)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=4096, help="source tokens per batch, padding included (default 4096)"
+    )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes to decode with (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchSettings:
     try:
-        return SearchSettings.from_config(model.config.decode, beam=args.beam, lenpen=args.lenpen,
-                                          max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+        return SearchSettings.from_config(
+            model.config.decode, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b
+        )
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
@@ -277,7 +295,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     lines = read_lines(args.input)
     model = load_model_file(args.ckpt)
-    out, _ = translate_text(args.ckpt, model, lines, settings_from_args(args, model), max_tokens=args.max_tokens,
-                            tp=args.tp, quiet=args.quiet, source=args.input or "stdin")
+    out, _ = translate_text(
+        args.ckpt,
+        model,
+        lines,
+        settings_from_args(args, model),
+        max_tokens=args.max_tokens,
+        tp=args.tp,
+        quiet=args.quiet,
+        source=args.input or "stdin",
+    )
     write_lines(args.output, out)
     return 0

@@ -8,7 +8,7 @@ outside the attention and feed-forward blocks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,9 @@ class _Residual(nn.Module):
         self.pre_norm = cfg.norm == "pre"
         self.dropout = Dropout(cfg.dropout, rng, split_dim=SEQ_DIM if sequence_parallel and tp.size > 1 else None)
 
-    def residual(self, x: torch.Tensor, norm: LayerNorm, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def residual(
+        self, x: torch.Tensor, norm: LayerNorm, sublayer: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         if self.pre_norm:
             return x + self.dropout(sublayer(norm(x)))
         return norm(x + self.dropout(sublayer(x)))

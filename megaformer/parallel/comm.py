@@ -28,7 +28,6 @@ from megaformer.parallel.groups import TPGroup
 SEQ_DIM = 1
 
 
-
 def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group) -> None:
     # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have the old names.
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)

@@ -57,7 +57,7 @@ class ParallelContext:
         return self.rank == 0
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> "ParallelContext":
+    def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         """A one-process context that needs no ``torch.distributed``."""
         return cls(ParallelLayout(1, 1, 1), 0, 0, LOCAL, None, torch.device(device), "none")
 
@@ -71,7 +71,7 @@ class ParallelContext:
         init_method: str | None = None,
         timeout_s: float = 600.0,
         single_process_group: bool = False,
-    ) -> "ParallelContext":
+    ) -> ParallelContext:
         """Validate the layout, start ``torch.distributed`` if needed, and build the groups.
 
         ``init_method`` defaults to ``env://`` (MASTER_ADDR / MASTER_PORT), which every

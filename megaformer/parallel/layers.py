@@ -50,7 +50,9 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         if gather_output and partitions > 1:
-            raise ValueError("gather_output with stacked blocks would interleave them by rank: gather each block instead")
+            raise ValueError(
+                "gather_output with stacked blocks would interleave them by rank: gather each block instead"
+            )
         self.tp = tp
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and tp.size > 1
@@ -142,7 +144,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * local
         self.vocab_end = self.vocab_start + local
         self.weight = nn.Parameter(torch.empty(local, embedding_dim))
-        mark_sharded(self.weight, dim=0, init=f"normal:{embedding_dim ** -0.5}")
+        mark_sharded(self.weight, dim=0, init=f"normal:{embedding_dim**-0.5}")
 
     def post_init(self) -> None:
         """Zero the padding id's row and the rows that only pad the table to a multiple of tp x 8."""

@@ -34,7 +34,7 @@ class ParallelLayout:
     dp: int
 
     @classmethod
-    def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelLayout":
+    def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelLayout:
         if cfg.tp < 1:
             raise ConfigError(f"parallel.tp must be at least 1, got {cfg.tp}")
         if world_size % cfg.tp:

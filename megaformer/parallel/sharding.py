@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 import zlib
+
 import torch
 import torch.distributed as dist
 
 from megaformer.parallel.groups import TPGroup
+
 
 def mark_sharded(param: torch.Tensor, dim: int | None, partitions: int = 1, init: str = "xavier") -> None:
     """Tag ``param`` as split along ``dim`` (None: replicated) in ``partitions`` stacked blocks."""
@@ -139,6 +141,8 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: 
         for name, p in params.items():
             local = shard_full(state[name], tp_dim(p), getattr(p, "tp_partitions", 1), tp)
             if local.shape != p.shape:
-                raise ValueError(f"{name}: saved shape {tuple(state[name].shape)} gives {tuple(local.shape)} "
-                                 f"on this rank, the model has {tuple(p.shape)}")
+                raise ValueError(
+                    f"{name}: saved shape {tuple(state[name].shape)} gives {tuple(local.shape)} "
+                    f"on this rank, the model has {tuple(p.shape)}"
+                )
             p.copy_(local)

@@ -97,10 +97,14 @@ def load_consolidated(path: str | Path) -> Consolidated:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # a torn or foreign file: say which, not a traceback
-        raise CheckpointError(f"{path}: cannot be read as a megaformer model file ({type(err).__name__}: {err})") from None
+        raise CheckpointError(
+            f"{path}: cannot be read as a megaformer model file ({type(err).__name__}: {err})"
+        ) from None
     if not isinstance(obj, dict) or obj.get("format") != CONSOLIDATED_FORMAT:
         raise CheckpointError(f"{path}: not a consolidated megaformer model (expected format {CONSOLIDATED_FORMAT})")
-    return Consolidated(from_dict(obj["config"]), obj["model"], obj["vocab_size"], obj.get("tokenizer"), obj.get("meta", {}))
+    return Consolidated(
+        from_dict(obj["config"]), obj["model"], obj["vocab_size"], obj.get("tokenizer"), obj.get("meta", {})
+    )
 
 
 # ---- training checkpoints --------------------------------------------------------------------
@@ -201,8 +205,12 @@ def load_model_file(step_dir: Path, name: str) -> dict:
         raise CheckpointError(f"{step_dir / name}: cannot be read ({type(err).__name__}: {err})") from None
 
 
-def merged_state(step_dir: Path, meta: dict, shard_info: dict[str, tuple[int | None, int]],
-                 keys: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq")) -> dict[str, dict[str, torch.Tensor]]:
+def merged_state(
+    step_dir: Path,
+    meta: dict,
+    shard_info: dict[str, tuple[int | None, int]],
+    keys: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq"),
+) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions)."""
     from megaformer.parallel.sharding import merge_shards
 
@@ -249,12 +257,18 @@ def consolidate(step_dir: Path) -> Consolidated:
     meta = read_meta(step_dir)
     cfg = from_dict(meta["config"])
     with torch.device("meta"):
-        shape_model = Transformer(cfg.model, meta["vocab_size"], LOCAL, DropoutRNG(0, LOCAL),
-                                  vocab_multiple=cfg.parallel.vocab_multiple)
+        shape_model = Transformer(
+            cfg.model, meta["vocab_size"], LOCAL, DropoutRNG(0, LOCAL), vocab_multiple=cfg.parallel.vocab_multiple
+        )
     state = merged_state(step_dir, meta, shard_info_of(shape_model), keys=("param",))["param"]
     tok = step_dir / "tokenizer.model"
-    return Consolidated(cfg, state, meta["vocab_size"], tok.read_bytes() if tok.is_file() else None,
-                        {"step": meta["step"], "tokens": meta.get("tokens"), "source": str(step_dir)})
+    return Consolidated(
+        cfg,
+        state,
+        meta["vocab_size"],
+        tok.read_bytes() if tok.is_file() else None,
+        {"step": meta["step"], "tokens": meta.get("tokens"), "source": str(step_dir)},
+    )
 
 
 def _barrier(ctx) -> None:
@@ -345,8 +359,10 @@ def load_checkpoint_state(
     names = {n for n, _ in model.named_parameters()}
     if set(state["param"]) != names:
         missing, extra = sorted(names - set(state["param"])), sorted(set(state["param"]) - names)
-        raise CheckpointError(f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
-                              f"was it written with another model.* config?")
+        raise CheckpointError(
+            f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
+            f"was it written with another model.* config?"
+        )
     rl = meta["rank_layout"]
     old_rank = ctx.dp_rank * rl["tp"] + ctx.tp.rank
     rank_state = None
@@ -367,8 +383,9 @@ def reshard(src: Path, out: Path, tp: int) -> Path:
     cfg = from_dict(meta["config"])
     check_model_split(cfg.model, tp)
     with torch.device("meta"):
-        shape_model = Transformer(cfg.model, meta["vocab_size"], LOCAL, DropoutRNG(0, LOCAL),
-                                  vocab_multiple=cfg.parallel.vocab_multiple)
+        shape_model = Transformer(
+            cfg.model, meta["vocab_size"], LOCAL, DropoutRNG(0, LOCAL), vocab_multiple=cfg.parallel.vocab_multiple
+        )
     info = shard_info_of(shape_model)
     full = merged_state(src, meta, info)
     target = out / src.name if not STEP_DIR.match(out.name) else out
@@ -377,7 +394,10 @@ def reshard(src: Path, out: Path, tp: int) -> Path:
     tmp.mkdir(parents=True)
     for r in range(tp):
         group = TPGroup(group=None, size=tp, rank=r)
-        part = {key: {n: shard_full(t, *info[n], group).clone() for n, t in tensors.items()} for key, tensors in full.items()}
+        part = {
+            key: {n: shard_full(t, *info[n], group).clone() for n, t in tensors.items()}
+            for key, tensors in full.items()
+        }
         atomic_torch_save(part, tmp / model_file_name(r, tp))
     for f in src.iterdir():  # rank files and the tokenizer are carried as they are
         if f.name.startswith("rank-") or f.name == "tokenizer.model":

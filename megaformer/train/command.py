@@ -14,11 +14,20 @@ from megaformer.errors import ConfigError
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="YAML config, e.g. configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--run-dir", default=None, help="where checkpoints, metrics and logs go (default: runs/<config name>)")
-    p.add_argument("--resume", default="auto",
-                   help="auto: newest complete checkpoint in the run dir, if any; none: start fresh; or a checkpoint path")
-    p.add_argument("--nproc", type=int, default=0,
-                   help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed")
+    p.add_argument(
+        "--run-dir", default=None, help="where checkpoints, metrics and logs go (default: runs/<config name>)"
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto: newest complete checkpoint in the run dir, if any; none: start fresh; or a checkpoint path",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed",
+    )
 
 
 def _rank_main(cfg: Config, run_dir: str, resume: str) -> int:
@@ -28,8 +37,9 @@ def _rank_main(cfg: Config, run_dir: str, resume: str) -> int:
 
     info = detect()
     info.export()
-    ctx = ParallelContext.initialize(cfg.parallel, info.rank, info.world_size, info.local_rank,
-                                     single_process_group=True)
+    ctx = ParallelContext.initialize(
+        cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
+    )
     try:
         return Trainer(cfg, ctx, Path(run_dir), resume).train()
     finally:
@@ -46,7 +56,9 @@ def main(args: argparse.Namespace) -> int:
     info = detect()
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
-        raise ConfigError(f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc")
+        raise ConfigError(
+            f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
+        )
     from megaformer.train.engine import check_precision
 
     layout = ParallelLayout.from_config(cfg.parallel, world)  # fail before any process starts

@@ -85,7 +85,9 @@ def deepspeed_config(cfg: Config, dp: int, accum: int, device_type: str = "cuda"
     t = cfg.train
     check_precision(t)
     bucket = t.zero_bucket_size
-    contiguous = device_type == "cuda" if t.zero_contiguous_gradients == "auto" else t.zero_contiguous_gradients == "true"
+    contiguous = (
+        device_type == "cuda" if t.zero_contiguous_gradients == "auto" else t.zero_contiguous_gradients == "true"
+    )
     return {
         # A "sample" is one token-bounded micro-batch: train_batch_size counts micro-batches.
         "train_batch_size": accum * dp,
@@ -186,8 +188,9 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
     if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
         _allow_fp16_on_cpu()
-    deepspeed.init_distributed(dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False,
-                               verbose=False)
+    deepspeed.init_distributed(
+        dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False, verbose=False
+    )
     _tag_model_parallel(model, ctx)
     optimizer = _optimizer(model, cfg.train, ctx.device)
     schedule = InverseSqrtSchedule(cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
@@ -243,7 +246,9 @@ def export_state(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
             out["param"][name] = p.detach().float().cpu().clone()
             state = _plain_state(engine, p)
             for key in ADAM_KEYS:
-                out[key][name] = state[key].detach().float().cpu().clone() if key in state else torch.zeros_like(out["param"][name])
+                out[key][name] = (
+                    state[key].detach().float().cpu().clone() if key in state else torch.zeros_like(out["param"][name])
+                )
     return out
 
 
@@ -268,8 +273,11 @@ def _create_optimizer_state(engine: Engine) -> None:
     for group in inner.param_groups:
         for p in group["params"]:
             if not inner.state.get(p):
-                inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
+                inner.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
     if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
         opt._lazy_init_hp_params_optimizer_state()
 

@@ -77,9 +77,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         elapsed = time.monotonic() - self.start
-        line = (f"step {r['step']:>6d}/{self.max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-                f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
-                f"epoch {r['epoch']} | {_hms(elapsed)}")
+        line = (
+            f"step {r['step']:>6d}/{self.max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
+            f"epoch {r['epoch']} | {_hms(elapsed)}"
+        )
         if r["loss_scale"] != 1.0:
             line += f" | scale {r['loss_scale']:g}"
         print(line, flush=True)

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 
-
 NONE, REQUEUE, TERMINATE = 0, 1, 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
 

@@ -76,13 +76,19 @@ class Trainer:
         t = cfg.train
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng, device=ctx.device)
         self.model = Transformer(
-            cfg.model, cfg.data.vocab_size, ctx.tp, self.rng, seed=t.seed,
-            sequence_parallel=cfg.parallel.sequence_parallel, vocab_multiple=cfg.parallel.vocab_multiple,
+            cfg.model,
+            cfg.data.vocab_size,
+            ctx.tp,
+            self.rng,
+            seed=t.seed,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            vocab_multiple=cfg.parallel.vocab_multiple,
         ).to(ctx.device)
         streams = stream_count(saved["data_streams"] if saved else None, ctx.dp_size)
         per_stream = max(1, round(t.tokens_per_step / (streams * cfg.data.max_tokens)))
-        self.feed = DataFeed(self._stream, streams, ctx.dp_rank, ctx.dp_size, per_stream, self.rng, t.seed,
-                             cfg.parallel.dropout_rng)
+        self.feed = DataFeed(
+            self._stream, streams, ctx.dp_rank, ctx.dp_size, per_stream, self.rng, t.seed, cfg.parallel.dropout_rng
+        )
         self.engine: Engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)
         self.parameters = model_info(cfg)["parameters"]
         # The peak of all devices together. On a CPU every rank measures at the same time (as
@@ -94,9 +100,11 @@ class Trainer:
         self.train_seconds = 0.0
         if saved:
             self._load(self.start_dir)
-        self.log(f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} "
-                 f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batches of <= "
-                 f"{cfg.data.max_tokens} tokens per rank per step ({streams} data streams), run dir {self.run_dir}")
+        self.log(
+            f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} "
+            f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batches of <= "
+            f"{cfg.data.max_tokens} tokens per rank per step ({streams} data streams), run dir {self.run_dir}"
+        )
 
     # ---- set-up ---------------------------------------------------------------------------
 
@@ -114,8 +122,18 @@ class Trainer:
         d = self.cfg.data
         training = split == "train"
         return TokenBatchStream(
-            d.path, split, dp_rank=index, dp_size=count, max_tokens=d.max_tokens, num_workers=d.num_workers,
-            shuffle_buffer=d.shuffle_buffer, sort_buffer=d.sort_buffer, seed=d.seed, max_len=d.max_len, shuffle=training, repeat=training,
+            d.path,
+            split,
+            dp_rank=index,
+            dp_size=count,
+            max_tokens=d.max_tokens,
+            num_workers=d.num_workers,
+            shuffle_buffer=d.shuffle_buffer,
+            sort_buffer=d.sort_buffer,
+            seed=d.seed,
+            max_len=d.max_len,
+            shuffle=training,
+            repeat=training,
         )
 
     def _load(self, step_dir: Path) -> None:
@@ -132,17 +150,26 @@ class Trainer:
         if rank_state is not None:
             torch.set_rng_state(rank_state["torch_rng"])
         self.tokens, self.train_seconds = meta["tokens"], meta.get("train_seconds", 0.0)
-        same = meta["layout"] == {"tp": self.ctx.layout.tp, "dp": self.ctx.layout.dp, "world": self.ctx.layout.world_size}
-        self.log(f"train: resumed from {step_dir} (step {meta['step']}, {meta['tokens']:,} target tokens"
-                 f"{'' if same else ', layout tp={tp} dp={dp} -> tp={t} dp={d}'.format(**meta['layout'], t=self.ctx.layout.tp, d=self.ctx.layout.dp)})")
+        same = meta["layout"] == {
+            "tp": self.ctx.layout.tp,
+            "dp": self.ctx.layout.dp,
+            "world": self.ctx.layout.world_size,
+        }
+        self.log(
+            f"train: resumed from {step_dir} (step {meta['step']}, {meta['tokens']:,} target tokens"
+            f"{'' if same else ', layout tp={tp} dp={dp} -> tp={t} dp={d}'.format(**meta['layout'], t=self.ctx.layout.tp, d=self.ctx.layout.dp)})"
+        )
 
     # ---- checkpoints ------------------------------------------------------------------------
 
     def save(self, reason: str) -> Path:
         ds = self.engine.ds
         scaler = getattr(ds.optimizer, "loss_scaler", None)
-        scaler_state = {k: getattr(scaler, k) for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-                        if scaler is not None and hasattr(scaler, k)}
+        scaler_state = {
+            k: getattr(scaler, k)
+            for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+            if scaler is not None and hasattr(scaler, k)
+        }
         scaler_state = {k: (v.item() if torch.is_tensor(v) else v) for k, v in scaler_state.items()}
         path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints",
@@ -218,7 +245,12 @@ class Trainer:
             sums[2] += b.tgt_tokens
         self.model.train()
         loss, nll, tokens = (v / self.ctx.layout.tp for v in self._world_sum(sums))
-        return {"loss": loss / tokens, "nll": nll / tokens, "ppl": math.exp(min(nll / tokens, 50.0)), "tokens": int(tokens)}
+        return {
+            "loss": loss / tokens,
+            "nll": nll / tokens,
+            "ppl": math.exp(min(nll / tokens, 50.0)),
+            "tokens": int(tokens),
+        }
 
     def train(self) -> int:
         """Train to ``train.max_steps``; returns the process exit status."""
@@ -236,7 +268,8 @@ class Trainer:
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
                 began = time.perf_counter()
                 loss_sum, tokens, (usr1, term, up) = self.step(
-                    [float(watch.received == REQUEUE), float(watch.received == TERMINATE), float(time_up)])
+                    [float(watch.received == REQUEUE), float(watch.received == TERMINATE), float(time_up)]
+                )
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
                 self.tokens += int(tokens)
@@ -252,13 +285,21 @@ class Trainer:
                     self._validate(logger, step)
                 signal = TERMINATE if term else REQUEUE if usr1 else NONE
                 minutes_due = t.save_minutes > 0 and time.monotonic() - last_save >= 60 * t.save_minutes
-                if signal != NONE or up or step == t.max_steps or minutes_due or (t.save_interval and step % t.save_interval == 0):
+                if (
+                    signal != NONE
+                    or up
+                    or step == t.max_steps
+                    or minutes_due
+                    or (t.save_interval and step % t.save_interval == 0)
+                ):
                     reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, "time limit" if up else "schedule")
                     self.save(reason)
                     last_save = time.monotonic()
                 if signal == REQUEUE:
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
-                    self.log(f"train: stopping at step {step} after SIGUSR1 ({'requeued' if accepted else 'not requeued'})")
+                    self.log(
+                        f"train: stopping at step {step} after SIGUSR1 ({'requeued' if accepted else 'not requeued'})"
+                    )
                     return 0
                 if signal == TERMINATE:
                     self.log(f"train: stopping at step {step} after SIGTERM (saved, not requeued)")
