@@ -15,3 +15,7 @@ class DataError(MegaformerError):
 
 class CheckpointError(MegaformerError):
     """A checkpoint that is missing, torn, or does not match the model."""
+
+
+class TrainingError(MegaformerError):
+    """A run that cannot go on (a non-finite loss or gradient norm); says at which step and why."""

@@ -18,7 +18,16 @@ import torch
 
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
-from megaformer.parallel import LOCAL, DropoutRNG, ParallelContext, ParallelLayout, gather_from_tp, gather_full
+from megaformer.parallel import (
+    LOCAL,
+    DropoutRNG,
+    ParallelContext,
+    ParallelLayout,
+    gather_from_tp,
+    gather_full,
+    tp_dim,
+    tp_partitions,
+)
 
 
 @dataclass
@@ -78,7 +87,7 @@ def check_parity(
     src, tgt_in, tgt_out = (t.to(device) for t in random_batch(vocab, batch, src_len, tgt_len, cfg.train.seed))
 
     def build(tp, sp):
-        rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng, device=device)
+        rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng)
         return Transformer(
             cfg.model,
             vocab,
@@ -90,22 +99,18 @@ def check_parity(
         ).to(device)
 
     def loss_and_logits(model):
-        start = model.rng.get_state()
+        start = model.rng.state_dict()
         model.train()
         total, ntok = model.loss(src, tgt_in, tgt_out, smoothing)
         (total / ntok).backward()
-        model.rng.set_state(start)  # the logits forward replays the same dropout masks
-        with torch.no_grad():
+        with torch.no_grad(), model.rng.fork(start):  # the logits forward replays the same dropout masks
             logits = model(src, tgt_in)
         return (total / ntok).detach(), logits
 
     model = build(ctx.tp, cfg.parallel.sequence_parallel)
     loss, logits = loss_and_logits(model)
     logits = gather_from_tp(logits, ctx.tp)
-    grads = {
-        n: gather_full(p.grad, getattr(p, "tp_dim", None), getattr(p, "tp_partitions", 1), ctx.tp)
-        for n, p in model.named_parameters()
-    }
+    grads = {n: gather_full(p.grad, tp_dim(p), tp_partitions(p), ctx.tp) for n, p in model.named_parameters()}
     if ctx.rank != 0:
         return None
 

@@ -1,6 +1,7 @@
 """The engine pieces: generated DeepSpeed config, the schedule, gradient accumulation, activation checkpointing."""
 
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -32,6 +33,9 @@ def test_deepspeed_config_is_generated_from_ours():
     assert ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert ds["gradient_clipping"] == 1.0
+    # bf16 gradients are reduced and accumulated in fp32; fp32 and fp16 leave DeepSpeed's defaults
+    assert ds["communication_data_type"] == "fp32" and ds["data_types"]["grad_accum_dtype"] == "fp32"
+    assert "communication_data_type" not in deepspeed_config(load_config(TINY), dp=2, accum=1)
     # contiguous gradient buffers: on by default with CUDA, off on a CPU, or as set
     assert ds["zero_optimization"]["contiguous_gradients"]
     assert not deepspeed_config(cfg, dp=4, accum=3, device_type="cpu")["zero_optimization"]["contiguous_gradients"]
@@ -75,6 +79,7 @@ def _accumulation_worker(zero_stage: int) -> int:
     from megaformer.model import Transformer
     from megaformer.parallel import DropoutRNG, ParallelContext
     from megaformer.train.engine import build_engine
+    from megaformer.train.feed import MicroBatch
     from megaformer.train.trainer import accumulate
 
     # Adam's eps is raised from 1e-9: with 1e-9 an element whose gradient is ~1e-9 moves by
@@ -92,7 +97,8 @@ def _accumulation_worker(zero_stage: int) -> int:
         model = Transformer(cfg.model, cfg.data.vocab_size, ctx.tp, DropoutRNG(1, ctx.tp), seed=7)
         engine = build_engine(cfg, ctx, model, accumulation)
         for _ in range(2):  # two optimizer steps, so Adam's moments matter too
-            accumulate(engine, batches, tokens, cfg.train.label_smoothing)
+            micro_batches = [MicroBatch(0, b) for b in batches]
+            accumulate(engine, micro_batches, tokens, cfg.train.label_smoothing, lambda stream: nullcontext())
         results.append({n: p.detach().clone() for n, p in model.named_parameters()})
     worst = max((results[0][n] - results[1][n]).abs().max().item() for n in results[0])
     assert worst <= 1e-6, f"2 x micro-batch vs one double batch: max parameter difference {worst:.3e}"
@@ -157,9 +163,9 @@ def _checkpointing_worker() -> int:
         loss, n = model.loss(src, tgt_in, tgt_out, 0.1)
         (loss / n).backward()
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
-        state_after = model.rng.get_state()
+        state_after = model.rng.state_dict()
         if checkpointing:  # recomputation replayed the masks and left the streams where the forward did
-            assert all(torch.equal(state_after[k], reference_state[k]) for k in state_after)
+            assert state_after == reference_state
         reference_state = state_after
     worst = max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0])
     assert worst <= 1e-6, f"activation checkpointing changed gradients by {worst:.3e}"
@@ -170,3 +176,67 @@ def _checkpointing_worker() -> int:
 def test_activation_checkpointing_keeps_gradients_under_tp():
     """Recomputation under TP=2 with dropout everywhere gives the gradients of the plain run."""
     assert spawn(_checkpointing_worker, 2) == 0
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam as apex's and DeepSpeed's FusedAdam keep it: the step count in each param group, not per parameter."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.98), eps=1e-9):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (b1, b2), t = group["betas"], group["step"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (v / (1 - b2**t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denom, value=-group["lr"] / (1 - b1**t))
+
+
+def _adam_run(make, steps: int, resume_at: int | None = None):
+    """Parameters after ``steps`` updates; with ``resume_at``, the optimizer is rebuilt there from saved state."""
+    from megaformer.train.engine import optimizer_step_count, set_optimizer_step_count
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    opt = make([p])
+    for step in range(steps):
+        if step == resume_at:  # what a resume does: a fresh optimizer, moments and the step count set before a step
+            moments = {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+            count = optimizer_step_count(opt)
+            assert count == resume_at
+            opt = make([p])
+            set_optimizer_step_count(opt, count)
+            opt.state[p].update(moments)
+        p.grad = torch.sin(p.detach() * (step + 1))
+        opt.step()
+    return p.detach().clone(), opt
+
+
+@pytest.mark.parametrize("kind", ["torch-fused", "torch-foreach", "fused-adam-in-groups"])
+def test_resume_keeps_adam_step_count(kind):
+    """A resume continues bias correction where it stopped, for each way optimizers keep ``step``."""
+    from megaformer.train.engine import optimizer_step_count
+
+    make = {
+        "torch-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.9, 0.98), eps=1e-9, fused=True),
+        "torch-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.9, 0.98), eps=1e-9, foreach=True),
+        "fused-adam-in-groups": lambda ps: FusedAdam(ps),
+    }[kind]
+    reference, _ = _adam_run(make, 6)
+    resumed, opt = _adam_run(make, 6, resume_at=3)
+    torch.testing.assert_close(resumed, reference, rtol=0, atol=1e-7)
+    assert optimizer_step_count(opt) == 6
+    for group in opt.param_groups:
+        for p in group["params"]:
+            step = opt.state[p].get("step")
+            if torch.is_tensor(step):  # fused Adam keeps it on the parameter's device
+                expected = p.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+                assert step.device == expected and step.dtype == torch.float32

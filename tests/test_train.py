@@ -298,6 +298,16 @@ def test_requeue_refuses_without_progress(monkeypatch, tmp_path):
     assert log.read_text() == "requeue 7\n"
 
 
+def test_sequence_parallel_validates_any_length(corpus, tmp_path):
+    """Validation pads lengths to a multiple of tp under sequence parallelism, as the training loss does."""
+    run = tmp_path / "run"
+    sets = common(corpus) + ["parallel.tp=2", "parallel.sequence_parallel=true", "train.max_steps=4"]
+    ok(train(run, 2, sets + ["train.eval_interval=2", "train.save_interval=0"]))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert [r["step"] for r in valid] == [2, 4] and all(math.isfinite(r["loss"]) for r in valid)
+
+
 # ---- precision -------------------------------------------------------------------------------------------
 
 
@@ -332,7 +342,8 @@ def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):
         )
     )
     curve = losses(run)
-    assert falling({s: r for s, r in curve.items() if math.isfinite(r["loss"])})
+    assert curve[8]["loss"] is None  # only a skipped step in that log line: no loss to report, not Infinity
+    assert falling({s: r for s, r in curve.items() if r["loss"] is not None and math.isfinite(r["loss"])})
     assert curve[7]["skipped_steps"] == 0 and curve[8]["skipped_steps"] == 1
     assert curve[8]["loss_scale"] == curve[7]["loss_scale"] / 2
     assert curve[8]["lr"] == curve[7]["lr"]  # the skipped step did not advance the schedule
@@ -340,6 +351,19 @@ def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):
 
     weights = consolidate(run / "checkpoints" / "step-00000025").model
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_non_finite_loss_stops_without_saving(corpus, tmp_path, precision):
+    """A NaN loss outside fp16's skipped steps: one line naming the step, non-zero exit, nothing saved after it."""
+    run = tmp_path / "run"
+    sets = common(corpus) + [f"train.precision={precision}", "train.zero_stage=1", "train.max_steps=25"]
+    proc = train(run, 2, sets + ["parallel.tp=2"], fault="nan:step=13")
+    assert proc.returncode != 0
+    assert "step 13: the loss or the gradient norm is not finite" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-00000010"] and (run / "checkpoints" / "latest").read_text().strip() == "step-00000010"
 
 
 def test_mixed_precision_needs_zero(tmp_path):

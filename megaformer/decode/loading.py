@@ -7,6 +7,7 @@ consolidated model file, a training checkpoint's step directory, or a run direct
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import sentencepiece as spm
@@ -23,9 +24,10 @@ SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 def load_model_file(path: str | Path) -> Consolidated:
     """The TP-independent model at ``path`` (model file, step directory or run directory).
 
-    CheckpointError if it is missing, torn or of another kind.
+    CheckpointError if it is missing, torn or of another kind. Skipping a damaged
+    newest checkpoint for an older one is said on stderr.
     """
-    return load_for_inference(path)
+    return load_for_inference(path, log=lambda message: print(message, file=sys.stderr))
 
 
 def check_layout(model: Consolidated, tp_size: int, *, source: str = "") -> None:

@@ -8,6 +8,7 @@ the loss (:mod:`megaformer.parallel.loss`) and beam search work on the slices.
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -172,18 +173,14 @@ class Transformer(nn.Module):
 def checkpoint_with_rng(layer: nn.Module, rng: DropoutRNG, *args) -> torch.Tensor:
     """Run ``layer`` without keeping activations; backward recomputes it with the same dropout masks.
 
-    The dropout streams' state before the forward is saved; the recomputation starts
-    from it and leaves the streams where the original forward left them.
+    The recomputation draws from a fork of the dropout streams as they were before the
+    forward, so the streams stay where the original forward left them.
     """
-    before = rng.get_state()
+    start = rng.state_dict()
 
     @contextmanager
     def recompute():
-        after = rng.get_state()
-        rng.set_state(before)
-        try:
+        with rng.fork(copy.deepcopy(start)):
             yield
-        finally:
-            rng.set_state(after)
 
     return checkpoint(layer, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), recompute()))

@@ -21,6 +21,8 @@ from megaformer.parallel.sharding import (
     load_full_state,
     mark_sharded,
     shard_full,
+    tp_dim,
+    tp_partitions,
 )
 
 __all__ = [
@@ -49,5 +51,7 @@ __all__ = [
     "scatter_to_sequence",
     "scatter_to_tp",
     "shard_full",
+    "tp_dim",
+    "tp_partitions",
     "vocab_parallel_cross_entropy",
 ]

@@ -56,6 +56,11 @@ class ParallelContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the run (control collectives: token counts, stop flags, checkpoint barriers)."""
+        return dist.group.WORLD if self.layout.world_size > 1 or dist.is_initialized() else None
+
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelContext:
         """A one-process context that needs no ``torch.distributed``."""

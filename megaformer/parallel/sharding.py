@@ -30,7 +30,13 @@ def mark_sharded(param: torch.Tensor, dim: int | None, partitions: int = 1, init
 
 
 def tp_dim(param: torch.Tensor) -> int | None:
+    """The dimension ``param`` is split along over the TP group (None: replicated)."""
     return getattr(param, "tp_dim", None)
+
+
+def tp_partitions(param: torch.Tensor) -> int:
+    """How many stacked blocks ``param`` holds (3 for a fused QKV weight), each split on its own."""
+    return getattr(param, "tp_partitions", 1)
 
 
 def _blocks(full: torch.Tensor, dim: int, partitions: int) -> list[torch.Tensor]:
@@ -110,7 +116,7 @@ def init_parameters(model: torch.nn.Module, seed: int, tp: TPGroup) -> None:
     embedding zeroes padding) through a ``post_init()`` method.
     """
     for name, param in model.named_parameters():
-        dim, partitions = tp_dim(param), getattr(param, "tp_partitions", 1)
+        dim, partitions = tp_dim(param), tp_partitions(param)
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full = _init_full(getattr(param, "init_kind", "xavier"), full_shape(param, tp.size), dim, partitions, g)
         with torch.no_grad():
@@ -125,10 +131,7 @@ def init_parameters(model: torch.nn.Module, seed: int, tp: TPGroup) -> None:
 
 def gather_full_state(model: torch.nn.Module, tp: TPGroup) -> dict[str, torch.Tensor]:
     """Every parameter of ``model`` at its TP=1 shape (a collective: every TP rank calls it)."""
-    return {
-        name: gather_full(p, tp_dim(p), getattr(p, "tp_partitions", 1), tp).float()
-        for name, p in model.named_parameters()
-    }
+    return {name: gather_full(p, tp_dim(p), tp_partitions(p), tp).float() for name, p in model.named_parameters()}
 
 
 def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: TPGroup) -> None:
@@ -139,7 +142,7 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: 
         raise ValueError(f"model state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for name, p in params.items():
-            local = shard_full(state[name], tp_dim(p), getattr(p, "tp_partitions", 1), tp)
+            local = shard_full(state[name], tp_dim(p), tp_partitions(p), tp)
             if local.shape != p.shape:
                 raise ValueError(
                     f"{name}: saved shape {tuple(state[name].shape)} gives {tuple(local.shape)} "

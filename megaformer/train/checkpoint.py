@@ -1,51 +1,63 @@
-"""Checkpoints: sharded, atomic save / load / reshard, and the consolidated model file.
+"""Checkpoints: collect the components' states, shard, write atomically with checksums, read back.
 
-Read by ``decode/`` too: keep this module free of the training loop.
-
-A training checkpoint is a directory per optimizer step::
+Read by ``decode/`` too: keep this module free of the training loop. Each stateful
+component (engine, trainer, data feed) owns its ``state_dict()``; this module only
+places the states by where they live, writes and verifies them. A checkpoint is a
+directory per optimizer step::
 
     RUN/checkpoints/step-00000100/
-        model-tp00-of-02.pt   fp32 weights and Adam moments of TP rank 0 (complete over DP)
+        model-tp00-of-02.pt   fp32 weights and Adam moments of TP rank 0 (complete over DP): ``shard``
         model-tp01-of-02.pt   ... one file per TP rank, written by that TP rank's first DP rank
-        rank-00000.pt         per-rank state: dropout and torch RNG streams
+        rank-00000.pt         what only this rank holds (the torch RNG): ``rank``
         tokenizer.model       the sentencepiece model, so that one directory is enough to translate
-        meta.json             written last: step, tokens, config, layout, data-stream state of every
-                              DP rank, loss scale, and every file with its size
+        meta.json             written last: step, config, layout, ``run`` (states equal on every
+                              rank: engine counters, trainer), ``replicas`` (every rank's data-feed
+                              state) and every file with its size and sha256
     RUN/checkpoints/latest    the newest complete step, replaced atomically
 
 Files are written into a hidden ``.step-*.tmp`` directory that becomes ``step-*`` only
 after every rank has finished and ``meta.json`` is complete, so a job killed mid-save
-leaves nothing that looks complete. Loading checks ``meta.json`` and the sizes of the
-files it lists, and falls back to the newest complete checkpoint, saying so.
+leaves nothing that looks complete. Every read checks the file's sha256 against
+``meta.json`` (a damaged file is an error naming it) and unpickles nothing but tensors
+and plain containers (``weights_only=True``). Looking for the newest checkpoint skips
+damaged ones and says which and why.
 
 Model files hold each tensor at its TP shape: a different TP size merges the shards
 (:func:`megaformer.parallel.sharding.merge_shards`) and splits them again; a
 different DP size or ZeRO stage needs nothing, since the state is complete over DP.
 
 A *consolidated* model file holds one TP-independent model (every parameter at its
-TP=1 shape, as :func:`megaformer.parallel.gather_full` assembles it), the config, the
-real vocabulary size and the sentencepiece model's bytes, so that a single file is
-enough to translate at any TP size.
+TP=1 shape), the config, the real vocabulary size and the sentencepiece model's bytes,
+so that a single file is enough to translate at any TP size; its zip CRCs are checked
+when it is read.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from megaformer.config import Config, from_dict, to_dict
 from megaformer.errors import CheckpointError
 
 CONSOLIDATED_FORMAT = "megaformer-consolidated-v1"
-CHECKPOINT_FORMAT = "megaformer-checkpoint-v1"
+CHECKPOINT_FORMAT = "megaformer-checkpoint-v2"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+META_KEYS = ("format", "step", "layout", "rank_layout", "config", "vocab_size", "run", "replicas", "files")
+TENSOR_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+Log = Callable[[str], None]
 
 
 @dataclass
@@ -57,6 +69,17 @@ class Consolidated:
     vocab_size: int
     tokenizer: bytes | None = None  # serialized sentencepiece model
     meta: dict = field(default_factory=dict)  # step, tokens seen, source checkpoints ...
+
+
+# ---- files -------------------------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def atomic_torch_save(obj: object, path: str | Path) -> None:
@@ -75,6 +98,48 @@ def atomic_torch_save(obj: object, path: str | Path) -> None:
             os.unlink(tmp)
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def safe_torch_load(path: Path, sha256: str | None = None) -> object:
+    """Tensors and plain containers from ``path``, never code; its checksum checked first.
+
+    ``sha256``: the digest recorded when the file was written; without one the zip
+    CRCs of the torch file are checked instead.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    if sha256 is not None:
+        if sha256_of(path) != sha256:
+            raise CheckpointError(f"{path}: content does not match its sha256 in meta.json (the file is damaged)")
+    else:
+        _check_zip(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a foreign or hostile file: say which, run nothing
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path}: cannot be read as tensors only ({type(err).__name__}: {reason})") from None
+
+
+def _check_zip(path: Path) -> None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise CheckpointError(f"{path}: not a torch file ({err})") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: damaged (checksum of {bad} does not match)")
+
+
+# ---- consolidated model files ------------------------------------------------------------------
+
+
 def save_consolidated(path: str | Path, model: Consolidated) -> None:
     atomic_torch_save(
         {
@@ -90,16 +155,11 @@ def save_consolidated(path: str | Path, model: Consolidated) -> None:
 
 
 def load_consolidated(path: str | Path) -> Consolidated:
-    """Read a consolidated model file; a clear error if it is missing, torn or of another kind."""
+    """Read a consolidated model file; a clear error if it is missing, damaged or of another kind."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such model file")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # a torn or foreign file: say which, not a traceback
-        raise CheckpointError(
-            f"{path}: cannot be read as a megaformer model file ({type(err).__name__}: {err})"
-        ) from None
+    obj = safe_torch_load(path)
     if not isinstance(obj, dict) or obj.get("format") != CONSOLIDATED_FORMAT:
         raise CheckpointError(f"{path}: not a consolidated megaformer model (expected format {CONSOLIDATED_FORMAT})")
     return Consolidated(
@@ -107,7 +167,7 @@ def load_consolidated(path: str | Path) -> Consolidated:
     )
 
 
-# ---- training checkpoints --------------------------------------------------------------------
+# ---- finding checkpoints -----------------------------------------------------------------------
 
 
 def step_dir_name(step: int) -> str:
@@ -122,17 +182,11 @@ def rank_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def check_complete(step_dir: Path, verify: bool = False) -> dict:
+    """``meta.json`` of a complete checkpoint; raises :class:`CheckpointError` saying what is wrong.
 
-
-def check_complete(step_dir: Path) -> dict:
-    """``meta.json`` of a complete checkpoint; raises :class:`CheckpointError` saying what is missing."""
+    Sizes are always checked; with ``verify`` every file's sha256 too.
+    """
     meta_path = step_dir / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{step_dir}: no meta.json (the save did not finish)")
@@ -140,14 +194,20 @@ def check_complete(step_dir: Path) -> dict:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{meta_path}: unreadable ({err})") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{meta_path}: not a megaformer checkpoint (format {meta.get('format')!r})")
-    for name, size in meta.get("files", {}).items():
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{meta_path}: format {found!r}, this megaformer reads {CHECKPOINT_FORMAT}")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{meta_path}: lacks {', '.join(missing)} (edited or written by another program)")
+    for name, entry in meta["files"].items():
         f = step_dir / name
         if not f.is_file():
             raise CheckpointError(f"{step_dir}: {name} is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{step_dir}: {name} has {f.stat().st_size} bytes, meta.json says {size}")
+        if f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{step_dir}: {name} has {f.stat().st_size} bytes, meta.json says {entry['bytes']}")
+        if verify and sha256_of(f) != entry["sha256"]:
+            raise CheckpointError(f"{f}: content does not match its sha256 in meta.json (the file is damaged)")
     return meta
 
 
@@ -164,29 +224,35 @@ def checkpoint_root(path: Path) -> Path:
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
-def find_latest(path: str | Path, log=print) -> Path | None:
-    """The newest complete checkpoint under a run directory (or its checkpoints folder).
+def find_latest(path: str | Path, log: Log) -> Path | None:
+    """The newest complete, undamaged checkpoint under a run directory (or its checkpoints folder).
 
-    Torn or incomplete ones are skipped, each with a line through ``log``.
+    Unfinished, torn or damaged ones are skipped, each with a line through ``log``
+    naming it and why, so that falling back to an older step is never silent.
     """
     root = checkpoint_root(Path(path))
     if root.is_dir():
         for partial in sorted(root.glob(".step-*.tmp")):
             log(f"checkpoint: ignoring unfinished {partial.name} (a save that did not complete)")
+    skipped = []
     for step_dir in list_checkpoints(root):
         try:
-            check_complete(step_dir)
-            return step_dir
+            check_complete(step_dir, verify=True)
         except CheckpointError as err:
             log(f"checkpoint: skipping {err}")
+            skipped.append(step_dir.name)
+            continue
+        if skipped:
+            log(f"checkpoint: using the older {step_dir.name}, since {', '.join(skipped)} cannot be used")
+        return step_dir
     return None
 
 
-def resolve_checkpoint(path: str | Path, log=print) -> Path:
-    """A step directory from a step directory, a checkpoints folder or a run directory."""
+def resolve_checkpoint(path: str | Path, log: Log) -> Path:
+    """A verified step directory from a step directory, a checkpoints folder or a run directory."""
     path = Path(path)
     if STEP_DIR.match(path.name):
-        check_complete(path)
+        check_complete(path, verify=True)
         return path
     found = find_latest(path, log)
     if found is None:
@@ -194,28 +260,32 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
     return found
 
 
-def read_meta(step_dir: Path) -> dict:
-    return check_complete(step_dir)
+# ---- model shards -------------------------------------------------------------------------------
 
 
-def load_model_file(step_dir: Path, name: str) -> dict:
-    try:
-        return torch.load(step_dir / name, map_location="cpu", weights_only=False)
-    except Exception as err:  # a damaged file: say which
-        raise CheckpointError(f"{step_dir / name}: cannot be read ({type(err).__name__}: {err})") from None
+def read_shard(step_dir: Path, meta: dict, name: str) -> dict:
+    """One file of a checkpoint, its sha256 checked against ``meta``."""
+    entry = meta["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{step_dir}: meta.json lists no {name}")
+    return safe_torch_load(step_dir / name, entry["sha256"])
+
+
+def shard_info_of(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
+    """Each parameter's (split dimension, stacked blocks), from its TP tags."""
+    from megaformer.parallel import tp_dim, tp_partitions
+
+    return {n: (tp_dim(p), tp_partitions(p)) for n, p in model.named_parameters()}
 
 
 def merged_state(
-    step_dir: Path,
-    meta: dict,
-    shard_info: dict[str, tuple[int | None, int]],
-    keys: tuple[str, ...] = ("param", "exp_avg", "exp_avg_sq"),
+    step_dir: Path, meta: dict, shard_info: dict[str, tuple[int | None, int]], keys: tuple[str, ...] = TENSOR_KEYS
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions)."""
     from megaformer.parallel.sharding import merge_shards
 
     tp = meta["layout"]["tp"]
-    shards = [load_model_file(step_dir, model_file_name(r, tp)) for r in range(tp)]
+    shards = [read_shard(step_dir, meta, model_file_name(r, tp)) for r in range(tp)]
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
         out[key] = {}
@@ -225,8 +295,10 @@ def merged_state(
     return out
 
 
-def shard_info_of(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
-    return {n: (getattr(p, "tp_dim", None), getattr(p, "tp_partitions", 1)) for n, p in model.named_parameters()}
+def _shape_info(meta: dict) -> dict[str, tuple[int | None, int]]:
+    from megaformer.model import shape_model
+
+    return shard_info_of(shape_model(from_dict(meta["config"]), meta["vocab_size"]))
 
 
 def prune(root: Path, keep_last: int) -> None:
@@ -238,66 +310,78 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load_for_inference(path: str | Path) -> Consolidated:
+def load_for_inference(path: str | Path, log: Log) -> Consolidated:
     """A consolidated model from a model file, a step directory or a run directory."""
     path = Path(path)
     if path.is_file():
         return load_consolidated(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or model file")
-    step_dir = resolve_checkpoint(path, log=lambda msg: None)
-    return consolidate(step_dir)
+    return consolidate(resolve_checkpoint(path, log))
 
 
 def consolidate(step_dir: Path) -> Consolidated:
     """One TP-independent model from a (possibly TP-sharded) training checkpoint."""
-    from megaformer.model import Transformer
-    from megaformer.parallel import LOCAL, DropoutRNG
-
-    meta = read_meta(step_dir)
-    cfg = from_dict(meta["config"])
-    with torch.device("meta"):
-        shape_model = Transformer(
-            cfg.model, meta["vocab_size"], LOCAL, DropoutRNG(0, LOCAL), vocab_multiple=cfg.parallel.vocab_multiple
-        )
-    state = merged_state(step_dir, meta, shard_info_of(shape_model), keys=("param",))["param"]
+    meta = check_complete(step_dir)
+    state = merged_state(step_dir, meta, _shape_info(meta), keys=("param",))["param"]
     tok = step_dir / "tokenizer.model"
+    trainer = meta["run"].get("trainer", {})
     return Consolidated(
-        cfg,
+        from_dict(meta["config"]),
         state,
         meta["vocab_size"],
         tok.read_bytes() if tok.is_file() else None,
-        {"step": meta["step"], "tokens": meta.get("tokens"), "source": str(step_dir)},
+        {"step": meta["step"], "tokens": trainer.get("tokens"), "source": str(step_dir)},
     )
 
 
-def _barrier(ctx) -> None:
-    import torch.distributed as dist
+# ---- saving -------------------------------------------------------------------------------------
 
+
+@dataclass
+class CheckpointState:
+    """What one rank hands to :func:`save_checkpoint`, by where it lives.
+
+    ``shard``: tensors at this rank's TP shape, complete over DP (the engine's);
+    ``run``: states equal on every rank (engine counters, trainer), written once;
+    ``replica``: states that differ between ranks but are small (the data feed), every
+    rank's kept in meta.json; ``rank``: this rank's own bulky state (the torch RNG).
+    """
+
+    shard: dict[str, dict[str, torch.Tensor]]
+    run: dict[str, dict]
+    replica: dict[str, dict]
+    rank: dict[str, object]
+
+
+def _barrier(ctx) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=ctx.world_group)
+
+
+def _file_entries(folder: Path) -> dict[str, dict]:
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in sorted(folder.iterdir())}
+
+
+def _finite_or_refuse(shard: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+    bad = [n for n, t in shard["param"].items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise CheckpointError(
+            f"step {step}: {len(bad)} parameters hold inf or NaN (first: {bad[0]}): not saving a broken model"
+        )
 
 
 def save_checkpoint(
-    root: Path,
-    step: int,
-    ctx,
-    model_state: dict[str, dict[str, torch.Tensor]],
-    rank_state: dict,
-    data_state: dict,
-    meta: dict,
-    keep_last: int,
-    tokenizer: Path | None = None,
+    root: Path, step: int, ctx, state: CheckpointState, meta: dict, keep_last: int, tokenizer: Path | None = None
 ) -> Path:
-    """Write one checkpoint; every rank calls this (it holds barriers).
+    """Write one checkpoint; every rank calls this (it holds barriers over ``ctx``'s world).
 
-    ``model_state`` is this rank's :func:`megaformer.train.engine.export_state`, written
-    by the first DP rank of each TP rank; ``rank_state`` (RNG streams) by every rank;
-    ``data_state`` (this DP rank's stream position) goes into ``meta.json``, which rank 0
-    writes last, before the directory is renamed into place and ``latest`` replaced.
+    ``state.shard`` is written by the first DP rank of each TP rank, ``state.rank`` by
+    every rank; ``state.replica`` of every rank is gathered into ``meta.json``, which
+    rank 0 writes last (with every file's sha256) before the directory is renamed into
+    place and ``latest`` replaced. Refuses, on every rank, a model that is not finite.
     """
-    import torch.distributed as dist
-
+    _finite_or_refuse(state.shard, step)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
     tmp = root / f".{step_dir_name(step)}.tmp"
@@ -306,27 +390,27 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier(ctx)
     if ctx.dp_rank == 0:
-        atomic_torch_save(model_state, tmp / model_file_name(ctx.tp.rank, ctx.layout.tp))
-    atomic_torch_save(rank_state, tmp / rank_file_name(ctx.rank))
-    data_states = [None] * ctx.layout.world_size
+        atomic_torch_save(state.shard, tmp / model_file_name(ctx.tp.rank, ctx.layout.tp))
+    atomic_torch_save(state.rank, tmp / rank_file_name(ctx.rank))
+    replicas = [None] * ctx.layout.world_size
     if dist.is_initialized():
-        dist.all_gather_object(data_states, data_state)
+        dist.all_gather_object(replicas, state.replica, group=ctx.world_group)
     else:
-        data_states = [data_state]
+        replicas = [state.replica]
     _barrier(ctx)  # every shard is on disk
     if ctx.is_main:
         if tokenizer is not None and Path(tokenizer).is_file():
             shutil.copyfile(tokenizer, tmp / "tokenizer.model")
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        layout = {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "world": ctx.layout.world_size}
         full_meta = {
             **meta,
             "format": CHECKPOINT_FORMAT,
             "step": step,
-            "layout": {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "world": ctx.layout.world_size},
-            "rank_layout": {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "world": ctx.layout.world_size},
-            # TP peers read the same batches: one stream position per DP rank.
-            "data_states": [data_states[d * ctx.layout.tp] for d in range(ctx.layout.dp)],
-            "files": files,
+            "layout": layout,
+            "rank_layout": layout,  # the layout of rank files and replicas (kept by reshard)
+            "run": state.run,
+            "replicas": replicas,
+            "files": _file_entries(tmp),
         }
         atomic_write_text(tmp / "meta.json", json.dumps(full_meta, indent=1))
         if final.exists():
@@ -338,77 +422,104 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint_state(
-    step_dir: Path, ctx, model: torch.nn.Module
-) -> tuple[dict, dict[str, dict[str, torch.Tensor]], dict | None]:
-    """(meta, this rank's model/optimizer state at the current TP shape, this rank's RNG state or None).
+# ---- loading for training ------------------------------------------------------------------------
 
-    The same layout reads this rank's files; another TP size merges and re-splits the
-    shards; RNG streams are carried where a rank with the same (DP, TP) position existed.
-    """
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read back for one rank: its shard at this rank's TP shape, and the states around it."""
+
+    meta: dict
+    shard: dict[str, dict[str, torch.Tensor]]
+    rank: dict | None  # this rank's rank file, if a rank at its (DP, TP) place existed
+
+    @property
+    def run(self) -> dict[str, dict]:
+        return self.meta["run"]
+
+    def replicas_of_dp_ranks(self) -> list[dict]:
+        """The replica states of the first TP rank of every old DP rank."""
+        rl = self.meta["rank_layout"]
+        return [self.meta["replicas"][d * rl["tp"]] for d in range(rl["dp"])]
+
+    def replica_at(self, dp_rank: int, tp_rank: int) -> dict | None:
+        """The replica state of the old rank at (``dp_rank``, ``tp_rank``), if it existed."""
+        rl = self.meta["rank_layout"]
+        if dp_rank < rl["dp"] and tp_rank < rl["tp"]:
+            return self.meta["replicas"][dp_rank * rl["tp"] + tp_rank]
+        return None
+
+
+def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module) -> LoadedCheckpoint:
+    """Read ``step_dir`` for this rank: the same TP size reads its own shard, another merges and re-splits."""
     from megaformer.parallel.sharding import shard_full
 
-    meta = read_meta(step_dir)
+    meta = check_complete(step_dir)
     old_tp = meta["layout"]["tp"]
     if old_tp == ctx.layout.tp:
-        state = load_model_file(step_dir, model_file_name(ctx.tp.rank, old_tp))
+        shard = read_shard(step_dir, meta, model_file_name(ctx.tp.rank, old_tp))
     else:
         info = shard_info_of(model)
         full = merged_state(step_dir, meta, info)
-        state = {key: {n: shard_full(t, *info[n], ctx.tp) for n, t in tensors.items()} for key, tensors in full.items()}
+        shard = {key: {n: shard_full(t, *info[n], ctx.tp) for n, t in tensors.items()} for key, tensors in full.items()}
     names = {n for n, _ in model.named_parameters()}
-    if set(state["param"]) != names:
-        missing, extra = sorted(names - set(state["param"])), sorted(set(state["param"]) - names)
+    if set(shard["param"]) != names:
+        missing, extra = sorted(names - set(shard["param"])), sorted(set(shard["param"]) - names)
         raise CheckpointError(
             f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
             f"was it written with another model.* config?"
         )
     rl = meta["rank_layout"]
-    old_rank = ctx.dp_rank * rl["tp"] + ctx.tp.rank
-    rank_state = None
-    if ctx.dp_rank < rl["dp"] and ctx.tp.rank < rl["tp"] and (step_dir / rank_file_name(old_rank)).is_file():
-        rank_state = load_model_file(step_dir, rank_file_name(old_rank))
-    return meta, state, rank_state
+    rank = None
+    if ctx.dp_rank < rl["dp"] and ctx.tp.rank < rl["tp"]:
+        name = rank_file_name(ctx.dp_rank * rl["tp"] + ctx.tp.rank)
+        if name in meta["files"]:
+            rank = read_shard(step_dir, meta, name)
+    return LoadedCheckpoint(meta, shard, rank)
 
 
-def reshard(src: Path, out: Path, tp: int) -> Path:
-    """Write checkpoint ``src`` with its model files split for ``tp`` ranks (no processes needed)."""
-    from megaformer.model import Transformer
-    from megaformer.parallel import LOCAL, DropoutRNG, TPGroup
+# ---- resharding ----------------------------------------------------------------------------------
+
+
+def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
+    """Write checkpoint ``src`` with its model files split for ``tp`` ranks (no processes needed).
+
+    The result is written beside its target and renamed into place at the end; the
+    source is never written to, and an existing target (the source or another
+    checkpoint) is refused rather than replaced.
+    """
+    from megaformer.parallel import TPGroup
     from megaformer.parallel.layout import check_model_split
     from megaformer.parallel.sharding import shard_full
 
-    src = resolve_checkpoint(src)
-    meta = read_meta(src)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise CheckpointError(f"reshard: tp must be a positive integer, got {tp!r}")
+    src = resolve_checkpoint(src, log)
+    meta = check_complete(src)
     cfg = from_dict(meta["config"])
     check_model_split(cfg.model, tp)
-    with torch.device("meta"):
-        shape_model = Transformer(
-            cfg.model, meta["vocab_size"], LOCAL, DropoutRNG(0, LOCAL), vocab_multiple=cfg.parallel.vocab_multiple
-        )
-    info = shard_info_of(shape_model)
+    target = out if STEP_DIR.match(out.name) else out / src.name
+    if target.resolve() == src.resolve():
+        raise CheckpointError(f"reshard: {target} is the checkpoint being read; write to another folder")
+    if target.exists():
+        raise CheckpointError(f"reshard: {target} already exists; choose another output or remove it first")
+    info = _shape_info(meta)
     full = merged_state(src, meta, info)
-    target = out / src.name if not STEP_DIR.match(out.name) else out
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for r in range(tp):
         group = TPGroup(group=None, size=tp, rank=r)
-        part = {
-            key: {n: shard_full(t, *info[n], group).clone() for n, t in tensors.items()}
-            for key, tensors in full.items()
-        }
+        part = {key: {n: shard_full(t, *info[n], group).clone() for n, t in ts.items()} for key, ts in full.items()}
         atomic_torch_save(part, tmp / model_file_name(r, tp))
-    for f in src.iterdir():  # rank files and the tokenizer are carried as they are
-        if f.name.startswith("rank-") or f.name == "tokenizer.model":
-            shutil.copyfile(f, tmp / f.name)
+    for name in meta["files"]:  # rank files and the tokenizer are carried as they are
+        if name.startswith("rank-") or name == "tokenizer.model":
+            shutil.copyfile(src / name, tmp / name)
     new_meta = dict(meta)
     new_meta["layout"] = {"tp": tp, "dp": meta["layout"]["dp"], "world": tp * meta["layout"]["dp"]}
     new_meta["config"] = {**meta["config"], "parallel": {**meta["config"]["parallel"], "tp": tp, "dp": 0}}
-    new_meta["files"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    new_meta["files"] = _file_entries(tmp)
     atomic_write_text(tmp / "meta.json", json.dumps(new_meta, indent=1))
-    if target.exists():
-        shutil.rmtree(target)
     os.replace(tmp, target)
     atomic_write_text(target.parent / "latest", target.name + "\n")
     return target

@@ -83,7 +83,7 @@ def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
 def reshard_main(args: argparse.Namespace) -> int:
     from megaformer.train.checkpoint import reshard
 
-    out = reshard(Path(args.src), Path(args.out), args.tp)
+    out = reshard(Path(args.src), Path(args.out), args.tp, log=lambda m: print(m, file=sys.stderr))
     print(f"reshard: wrote {out} for tp={args.tp}")
     return 0
 

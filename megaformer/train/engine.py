@@ -15,7 +15,9 @@ is what makes checkpoints independent of the DP size and ZeRO stage.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +37,9 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 # DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per rank and
-# run; the warning is not the user's to act on.
-warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+# run; the warning is not the user's to act on. Silenced only around DeepSpeed's own calls.
+_DEEPSPEED_NOISE = r".*all_gather_into_tensor.* is deprecated"
+LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 class ModelParallelUnit:
@@ -106,6 +109,14 @@ def deepspeed_config(cfg: Config, dp: int, accum: int, device_type: str = "cuda"
             "reduce_scatter": t.zero_reduce_scatter,
         },
         "bf16": {"enabled": t.precision == "bf16"},
+        # bf16 has 8 bits of mantissa: gradients are reduced across DP ranks and summed over
+        # micro-batches in fp32 (ZeRO-1 then runs DeepSpeed's BF16 optimizer; ZeRO-2 keeps
+        # its bf16 gradient partitions but reduces in fp32).
+        **(
+            {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "fp32"}}
+            if t.precision == "bf16"
+            else {}
+        ),
         "fp16": {
             "enabled": t.precision == "fp16",
             "loss_scale": 0,  # dynamic
@@ -134,21 +145,48 @@ def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> 
 
 @dataclass
 class Engine:
-    """DeepSpeed's engine and what the loop needs beside it."""
+    """DeepSpeed's engine and what the loop needs beside it; the only code that touches DeepSpeed's internals.
+
+    Stateful: :meth:`state_dict` / :meth:`load_state_dict` carry the fp32 weights, Adam's
+    moments and step count, DeepSpeed's step counters and the fp16 loss scaler.
+    """
 
     ds: object  # deepspeed.DeepSpeedEngine
     accumulation: int
     ctx: ParallelContext
-    last_grad_norm: float = float("nan")
+    last_grad_norm: float | None = None  # ours, when DeepSpeed computes none
 
     @property
     def module(self) -> torch.nn.Module:
         return self.ds.module
 
     @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken, fp16 overflow steps included."""
+        return self.ds.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.ds.skipped_steps
+
+    @property
     def optimizer_steps(self) -> int:
         """Successful optimizer updates so far (skipped fp16 overflow steps excluded)."""
         return self.ds.global_steps - self.ds.skipped_steps
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEEPSPEED_NOISE, category=FutureWarning)
+            self.ds.backward(loss)
+
+    def step(self) -> None:
+        """DeepSpeed's step: the optimizer update at the last micro-batch of an accumulation."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_DEEPSPEED_NOISE, category=FutureWarning)
+            self.ds.step()
 
     def lr(self) -> float:
         return self.ds.get_lr()[0]
@@ -158,8 +196,8 @@ class Engine:
         scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
         return float(scale) if scale is not None else 1.0
 
-    def grad_norm(self) -> float:
-        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO and clipping)."""
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO and clipping); None if unknown."""
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else self.last_grad_norm
 
@@ -167,18 +205,48 @@ class Engine:
         """Without ZeRO or clipping DeepSpeed computes no norm: compute it (call after the last backward)."""
         if _zero(self) or self.ds.gradient_clipping() > 0:
             return
-        split, replicated = 0.0, 0.0
+        split = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # squares of TP-split tensors
+        replicated = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for p in self.module.parameters():
             if p.grad is not None:
-                sq = float(p.grad.detach().float().pow(2).sum())
+                square = p.grad.detach().double().pow(2).sum()
                 if tp_dim(p) is not None:
-                    split += sq
+                    split += square
                 else:
-                    replicated += sq
-        total = torch.tensor([split], dtype=torch.float64, device=self.ctx.device)
+                    replicated += square
         if self.ctx.tp.size > 1:  # shards add up over the TP group; replicated tensors count once
-            dist.all_reduce(total, group=self.ctx.tp.group)
-        self.last_grad_norm = float(total.item() + replicated) ** 0.5
+            dist.all_reduce(split, group=self.ctx.tp.group)
+        self.last_grad_norm = float((split + replicated).sqrt().item())
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """``tensors``: fp32 weights and Adam moments at this rank's TP shape, complete over DP;
+        ``counters``: step counts and the loss scaler. A collective over the DP group with ZeRO.
+        """
+        scaler = getattr(self.ds.optimizer, "loss_scaler", None)
+        fields = {k: getattr(scaler, k) for k in LOSS_SCALER_FIELDS if scaler is not None and hasattr(scaler, k)}
+        return {
+            "tensors": _export_tensors(self),
+            "counters": {
+                "global_steps": self.ds.global_steps,
+                "skipped_steps": self.ds.skipped_steps,
+                "optimizer_steps": optimizer_step_count(_inner(self)),
+                "loss_scaler": {k: (v.item() if torch.is_tensor(v) else v) for k, v in fields.items()},
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load :meth:`state_dict` (tensors at this rank's TP shape) into the model, optimizer and DeepSpeed."""
+        counters = state["counters"]
+        _import_tensors(self, state["tensors"], counters["optimizer_steps"])
+        ds = self.ds
+        ds.global_steps, ds.skipped_steps = counters["global_steps"], counters["skipped_steps"]
+        ds.global_samples = counters["global_steps"] * self.accumulation * self.ctx.dp_size
+        scaler = getattr(ds.optimizer, "loss_scaler", None)
+        for name, value in counters.get("loss_scaler", {}).items():
+            if scaler is not None and hasattr(scaler, name):
+                setattr(scaler, name, value)
 
 
 def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine:
@@ -186,8 +254,6 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     import deepspeed
 
     ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
-    if cfg.train.precision == "fp16" and ctx.device.type == "cpu":
-        _allow_fp16_on_cpu()
     deepspeed.init_distributed(
         dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False, verbose=False
     )
@@ -195,45 +261,98 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     optimizer = _optimizer(model, cfg.train, ctx.device)
     schedule = InverseSqrtSchedule(cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    ds, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=ModelParallelUnit(ctx)
-    )
+    fp16_on_cpu = cfg.train.precision == "fp16" and ctx.device.type == "cpu"
+    with _fp16_allowed_on_cpu() if fp16_on_cpu else contextlib.nullcontext():
+        ds, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=ModelParallelUnit(ctx)
+        )
     return Engine(ds=ds, accumulation=ds_config["gradient_accumulation_steps"], ctx=ctx)
 
 
-def _allow_fp16_on_cpu() -> None:
+@contextlib.contextmanager
+def _fp16_allowed_on_cpu() -> Iterator[None]:
     """DeepSpeed refuses fp16 on a CPU without native fp16 matmul (oneDNN); torch still computes it.
 
-    Used for testing the fp16 path (loss scaling, overflow skips) on CPU machines; it is
-    slow there, and a GPU or bf16 is what to train with.
+    For testing the fp16 path (loss scaling, overflow skips) on CPU machines: slow
+    there, and a GPU or bf16 is what to train with. DeepSpeed's accelerator is patched
+    only while the engine is built, and restored after.
     """
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
-    if not accelerator.is_fp16_supported():
-        warnings.warn("fp16 on a CPU without native fp16 support: emulated by torch, for testing only", stacklevel=2)
-        accelerator.is_fp16_supported = lambda: True
-        if torch.float16 not in accelerator.supported_dtypes():
-            supported = accelerator.supported_dtypes()
-            accelerator.supported_dtypes = lambda: supported + [torch.float16]
+    if accelerator.is_fp16_supported():
+        yield
+        return
+    warnings.warn("fp16 on a CPU without native fp16 support: emulated by torch, for testing only", stacklevel=3)
+    supported = accelerator.supported_dtypes()
+    accelerator.is_fp16_supported = lambda: True
+    accelerator.supported_dtypes = lambda: list(dict.fromkeys([*supported, torch.float16]))
+    try:
+        yield
+    finally:
+        del accelerator.is_fp16_supported, accelerator.supported_dtypes  # back to the class's methods
 
 
 # ---- optimizer state, per parameter -----------------------------------------------------------
 
 
-def _plain_state(engine: Engine, p: torch.nn.Parameter) -> dict:
-    return engine.ds.optimizer.state[p]
+def _inner(engine: Engine) -> torch.optim.Optimizer:
+    """The optimizer that holds Adam's state (inside DeepSpeed's ZeRO wrapper, if any)."""
+    opt = engine.ds.optimizer
+    return getattr(opt, "optimizer", opt)
 
 
 def _zero(engine: Engine) -> bool:
     return engine.ds.zero_optimization_stage() > 0
 
 
-def export_state(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
-    """fp32 master weights and Adam moments of every parameter, at this rank's TP shape, complete over DP.
+def _steps_in_groups(opt: torch.optim.Optimizer) -> bool:
+    """apex's and DeepSpeed's FusedAdam count steps in ``param_groups``; torch's Adam per parameter."""
+    return any("step" in g for g in opt.param_groups) or (
+        not isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and type(opt).__name__ == "FusedAdam"
+    )
 
-    A collective over the DP group with ZeRO: every rank must call it.
+
+def optimizer_step_count(opt: torch.optim.Optimizer) -> int:
+    """Adam's bias-correction step count (equal for every parameter), wherever the optimizer keeps it."""
+    for group in opt.param_groups:
+        if "step" in group:
+            return int(group["step"])
+    for state in opt.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
+def set_optimizer_step_count(opt: torch.optim.Optimizer, step: int) -> None:
+    """Set Adam's step count where ``opt`` keeps it, on the device and dtype it keeps it in.
+
+    torch's fused (and capturable) Adam keeps ``step`` as a tensor on the parameter's
+    device, the others as a CPU tensor; apex's FusedAdam as a number in each param group.
+    Missing per-parameter state (a resume before the first step) is created first, as
+    Adam itself would create it.
     """
+    in_groups = _steps_in_groups(opt)
+    for group in opt.param_groups:
+        if in_groups:
+            group["step"] = step
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            state = opt.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if in_groups:
+                continue
+            if torch.is_tensor(state.get("step")):
+                state["step"].fill_(float(step))
+            else:
+                device = p.device if on_device else torch.device("cpu")
+                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
+
+
+def _export_tensors(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
+    """fp32 master weights and Adam moments of every parameter, at this rank's TP shape, complete over DP."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out: dict[str, dict[str, torch.Tensor]] = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
@@ -244,67 +363,38 @@ def export_state(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
                 out[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu()
         else:
             out["param"][name] = p.detach().float().cpu().clone()
-            state = _plain_state(engine, p)
+            state = _inner(engine).state[p]
             for key in ADAM_KEYS:
-                out[key][name] = (
-                    state[key].detach().float().cpu().clone() if key in state else torch.zeros_like(out["param"][name])
-                )
+                value = state.get(key)
+                out[key][name] = torch.zeros_like(out["param"][name]) if value is None else value.detach().float().cpu()
     return out
 
 
-def adam_step(engine: Engine) -> int:
-    """Adam's bias-correction step count (equal for every parameter)."""
-    opt = engine.ds.optimizer
-    inner = getattr(opt, "optimizer", opt)
-    for state in inner.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
-
-
-def _create_optimizer_state(engine: Engine) -> None:
-    """Adam creates its moments at the first step; a resume sets them before it, so make them now.
+def _import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+    """Weights and moments into the model and the optimizer; Adam's step count and the schedule to ``step``.
 
     ZeRO links each parameter to its fragment of the flat optimizer state only after
-    the first step too: link it (DeepSpeed's own lazy-initialisation hook).
+    the first step: creating the state and calling DeepSpeed's own lazy-initialisation
+    hook links it now, so that a resume can set it before the first step.
     """
-    opt = engine.ds.optimizer
-    inner = getattr(opt, "optimizer", opt)
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if not inner.state.get(p):
-                inner.state[p] = {
-                    "step": torch.tensor(0.0),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                }
-    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
-        opt._lazy_init_hp_params_optimizer_state()
-
-
-def import_state(engine: Engine, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-    """Load :func:`export_state` tensors (this rank's TP shape) into the model and the optimizer."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    _create_optimizer_state(engine)
-    inner = getattr(engine.ds.optimizer, "optimizer", engine.ds.optimizer)
+    inner = _inner(engine)
+    set_optimizer_step_count(inner, step)
+    if hasattr(engine.ds.optimizer, "_lazy_init_hp_params_optimizer_state"):
+        engine.ds.optimizer._lazy_init_hp_params_optimizer_state()
     for name, p in engine.module.named_parameters():
-        value = state["param"][name].to(p.device)
+        value = tensors["param"][name].to(p.device)
         with torch.no_grad():
             p.copy_(value.to(p.dtype))
         if _zero(engine):
             safe_set_full_fp32_param(p, value)
             for key in ADAM_KEYS:
-                safe_set_full_optimizer_state(p, state[key][name].to(p.device), key)
+                safe_set_full_optimizer_state(p, tensors[key][name].to(p.device), key)
         else:
-            s = inner.state[p]
+            state = inner.state[p]
             for key in ADAM_KEYS:
-                s[key] = state[key][name].to(p.device, torch.float32).clone()
-            s["step"] = torch.tensor(float(step))
-    if _zero(engine):
-        for s in inner.state.values():
-            if "step" in s:
-                s["step"] = torch.tensor(float(step)) if torch.is_tensor(s["step"]) else step
+                state[key] = tensors[key][name].to(p.device, torch.float32).clone()
     # The scheduler follows the successful optimizer steps.
     sched = engine.ds.lr_scheduler
     sched.last_epoch = step - 1

@@ -12,10 +12,9 @@ seen once, see :mod:`megaformer.data.stream`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-
-import torch
 
 from megaformer.data.stream import Batch, TokenBatchStream
 from megaformer.errors import ConfigError
@@ -29,18 +28,21 @@ class MicroBatch:
 
 
 class DataFeed:
-    """``accumulation`` micro-batches from each of this rank's streams per optimizer step."""
+    """``per_stream_accumulation`` micro-batches from each of this rank's streams per optimizer step.
+
+    ``rng`` is the model's :class:`DropoutRNG`; each stream keeps its own dropout
+    state (:meth:`dropout_of` switches to it around a micro-batch).
+    """
 
     def __init__(
         self,
-        make_stream,  # (stream_index, stream_count) -> TokenBatchStream
+        make_stream: Callable[[int, int], TokenBatchStream],  # (stream_index, stream_count) -> stream
         streams: int,
         dp_rank: int,
         dp_size: int,
         per_stream_accumulation: int,
         rng: DropoutRNG,
         rng_seed: int,
-        rng_mode: str,
     ) -> None:
         if streams % dp_size:
             raise ConfigError(f"data streams={streams} is not a multiple of the DP size {dp_size}")
@@ -51,7 +53,7 @@ class DataFeed:
         self.iterators: dict[int, Iterator[Batch]] = {}
         self.rng = rng
         # One dropout state per stream, as the rank that owned it would have had.
-        self.rng_states = {v: DropoutRNG(rng_seed, rng.tp, v, rng_mode).get_state() for v in self.mine}
+        self.dropout = {v: DropoutRNG.initial_state(rng_seed, rng.tp.rank, v) for v in self.mine}
 
     @property
     def accumulation(self) -> int:
@@ -67,54 +69,52 @@ class DataFeed:
             out.extend(MicroBatch(v, next(it)) for _ in range(self.per_stream_accumulation))
         return out
 
-    def use_rng_of(self, stream: int) -> None:
-        """Switch the model's dropout streams to those of ``stream`` (before its micro-batch)."""
-        self.rng.set_state(self.rng_states[stream])
-
-    def save_rng_of(self, stream: int) -> None:
-        self.rng_states[stream] = self.rng.get_state()
+    @contextmanager
+    def dropout_of(self, stream: int) -> Iterator[None]:
+        """Inside the block the model draws the dropout masks of ``stream`` (and advances its state)."""
+        with self.rng.fork(self.dropout[stream]):
+            yield
 
     def epoch(self) -> int:
         return min(s.epoch for s in self.sources.values())
 
     # ---- checkpoint state -------------------------------------------------------------------
 
-    def state(self) -> dict:
-        """The position and the TP-shared dropout stream of each of this rank's data streams.
+    def state_dict(self) -> dict:
+        """Position and dropout state (seeds and counts: device-neutral) of each of this rank's streams.
 
-        Identical on the TP peers of a DP rank; kept in the checkpoint's metadata.
+        Positions and the TP-shared dropout stream are equal on the TP peers of a DP
+        rank; the per-rank ("local") dropout stream differs between them.
         """
         return {
             "streams": self.streams,
             "positions": {v: self.sources[v].state_dict() for v in self.mine},
-            "rng": {v: self.rng_states[v]["shared"].tolist() for v in self.mine},
+            "dropout": {v: self.dropout[v] for v in self.mine},
         }
 
-    def local_rng_state(self) -> dict[int, torch.Tensor]:
-        """The per-TP-rank dropout stream of each data stream (differs between TP peers)."""
-        return {v: self.rng_states[v]["local"].clone() for v in self.mine}
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from ``{"dp_ranks": [state_dict() of each old DP rank], "same_rank": state_dict() or None}``.
 
-    def load(self, states: list[dict], local_rng: dict[int, torch.Tensor] | None = None) -> None:
-        """Restore from a checkpoint: ``states`` of every DP rank, ``local_rng`` of this rank if its place existed.
-
-        With the same number of streams (any DP size that divides it) each stream
-        continues exactly; the TP-shared dropout stream too (it does not depend on the
-        TP size). Otherwise every new stream re-plans the rest of the epoch from the old
-        position (all old streams had consumed the same number of batches) and starts
-        fresh dropout streams.
+        ``same_rank`` is the state of the old rank at this rank's (DP, TP) place, if one
+        existed. With the same number of streams (any DP size that divides it) each
+        stream continues exactly, the TP-shared dropout stream too (it does not depend on
+        the TP size); the per-rank stream where the place existed. Otherwise every new
+        stream re-plans the rest of the epoch from the old position (all old streams had
+        consumed the same number of batches) and starts fresh dropout streams.
         """
         positions: dict[int, dict] = {}
-        shared: dict[int, list] = {}
-        for s in states:
+        dropout: dict[int, dict] = {}
+        for s in state["dp_ranks"]:
             positions.update({int(k): v for k, v in s["positions"].items()})
-            shared.update({int(k): v for k, v in s["rng"].items()})
+            dropout.update({int(k): v for k, v in s["dropout"].items()})
+        own = {int(k): v for k, v in (state.get("same_rank") or {}).get("dropout", {}).items()}
         exact = len(positions) == self.streams
         for v in self.mine:
             self.sources[v].load_state_dict(positions[v] if exact else positions[min(positions)])
             if exact:
-                self.rng_states[v]["shared"] = torch.tensor(shared[v], dtype=torch.uint8)
-                if local_rng is not None and v in local_rng:
-                    self.rng_states[v]["local"] = local_rng[v].clone()
+                self.dropout[v]["shared"] = list(dropout[v]["shared"])
+                if v in own:
+                    self.dropout[v]["local"] = list(own[v]["local"])
         self.iterators.clear()
 
 

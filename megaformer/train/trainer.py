@@ -6,12 +6,18 @@ scaled by ``accumulation x dp / tokens``. DeepSpeed divides by the accumulation 
 and averages over DP, so the update is the gradient of the mean loss per target token
 of the whole step: two micro-batches give exactly the update of one double batch, and
 ranks with more tokens weigh more, as they should.
+
+The trainer is one of the stateful components (with the engine and the data feed): its
+own state is the tokens and training time so far; :meth:`Trainer.save` hands every
+component's state to :mod:`megaformer.train.checkpoint`, which places and writes them.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -19,41 +25,59 @@ import torch.distributed as dist
 
 from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.shards import manifest_path, read_manifest
-from megaformer.data.stream import TokenBatchStream, open_prepared
-from megaformer.errors import ConfigError
+from megaformer.data.stream import Batch, TokenBatchStream, open_prepared
+from megaformer.data.tokenizer import PAD_ID
+from megaformer.errors import ConfigError, TrainingError
 from megaformer.info import model_info
 from megaformer.model import Transformer
-from megaformer.parallel import DropoutRNG, ParallelContext
+from megaformer.parallel import DropoutRNG, ParallelContext, vocab_parallel_cross_entropy
 from megaformer.train import checkpoint as ckpt
-from megaformer.train.engine import Engine, adam_step, build_engine, export_state, import_state
-from megaformer.train.feed import DataFeed, stream_count
+from megaformer.train.engine import Engine, build_engine
+from megaformer.train.feed import DataFeed, MicroBatch, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 
 
-def accumulate(engine: Engine, batches, tokens: float, label_smoothing: float) -> float:
+def accumulate(
+    engine: Engine,
+    micro: Sequence[MicroBatch],
+    tokens: float,
+    label_smoothing: float,
+    dropout_of: Callable[[int], AbstractContextManager],
+) -> torch.Tensor:
     """Back-propagate each micro-batch of one optimizer step and step; returns this rank's summed loss.
 
     ``tokens``: the step's target tokens summed over the DP group. Each micro-batch's
     summed loss is scaled by ``accumulation x dp / tokens``: DeepSpeed divides by the
     accumulation steps and averages over DP, so the update follows the mean loss per
-    target token of the whole step.
+    target token of the whole step. ``dropout_of(stream)`` switches the model's dropout
+    streams to those of the data stream a micro-batch came from. The loss stays on the
+    device (no host synchronisation per micro-batch).
     """
-    ds = engine.ds
+    if len(micro) != engine.accumulation:
+        raise RuntimeError(f"{len(micro)} micro-batches for an accumulation of {engine.accumulation}")
     scale = engine.accumulation * engine.ctx.dp_size / tokens
-    loss_sum, done = 0.0, 0
-    for batch in batches:
-        b = batch.to(engine.ctx.device)
-        loss, _ = engine.module.loss(b.src, b.tgt_in, b.tgt_out, label_smoothing)
-        ds.backward(loss * scale)
-        done += 1
-        if done == engine.accumulation:
+    loss_sum = torch.zeros((), dtype=torch.float32, device=engine.ctx.device)
+    for i, m in enumerate(micro):
+        b = m.batch.to(engine.ctx.device)
+        with dropout_of(m.stream):
+            loss, _ = engine.module.loss(b.src, b.tgt_in, b.tgt_out, label_smoothing)
+            engine.backward(loss * scale)
+        if i == len(micro) - 1:
             engine.note_grad_norm()
-        ds.step()
-        loss_sum += loss.item()
-    if done != engine.accumulation:
-        raise RuntimeError(f"{done} micro-batches for an accumulation of {engine.accumulation}")
+        engine.step()
+        loss_sum += loss.detach().float()
     return loss_sum
+
+
+def _pad_for_sequence_parallel(batch: Batch, tp: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """src, tgt_in, tgt_out with lengths padded to a multiple of ``tp`` (every rank holds an equal part)."""
+
+    def pad(ids: torch.Tensor) -> torch.Tensor:
+        extra = -ids.shape[1] % tp
+        return ids if extra == 0 else torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+
+    return pad(batch.src), pad(batch.tgt_in), pad(batch.tgt_out)
 
 
 class Trainer:
@@ -68,13 +92,13 @@ class Trainer:
         self.has_valid = "valid" in manifest["splits"]
 
         self.start_dir = self._resume_point(resume)
-        saved = ckpt.read_meta(self.start_dir) if self.start_dir else None
+        saved = ckpt.check_complete(self.start_dir) if self.start_dir else None
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
 
         t = cfg.train
-        self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng, device=ctx.device)
+        self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
         self.model = Transformer(
             cfg.model,
             cfg.data.vocab_size,
@@ -83,18 +107,17 @@ class Trainer:
             seed=t.seed,
             sequence_parallel=cfg.parallel.sequence_parallel,
             vocab_multiple=cfg.parallel.vocab_multiple,
+            pad_id=PAD_ID,
         ).to(ctx.device)
-        streams = stream_count(saved["data_streams"] if saved else None, ctx.dp_size)
+        streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
         per_stream = max(1, round(t.tokens_per_step / (streams * cfg.data.max_tokens)))
-        self.feed = DataFeed(
-            self._stream, streams, ctx.dp_rank, ctx.dp_size, per_stream, self.rng, t.seed, cfg.parallel.dropout_rng
-        )
+        self.feed = DataFeed(self._stream, streams, ctx.dp_rank, ctx.dp_size, per_stream, self.rng, t.seed)
         self.engine: Engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)
         self.parameters = model_info(cfg)["parameters"]
         # The peak of all devices together. On a CPU every rank measures at the same time (as
         # they train): ranks that share cores then measure the share they really get.
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=ctx.world_group)
         self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
         self.tokens = 0
         self.train_seconds = 0.0
@@ -119,73 +142,53 @@ class Trainer:
         return ckpt.resolve_checkpoint(resume, log=self.log)
 
     def _stream(self, index: int, count: int, split: str = "train") -> TokenBatchStream:
-        d = self.cfg.data
         training = split == "train"
-        return TokenBatchStream(
-            d.path,
-            split,
-            dp_rank=index,
-            dp_size=count,
-            max_tokens=d.max_tokens,
-            num_workers=d.num_workers,
-            shuffle_buffer=d.shuffle_buffer,
-            sort_buffer=d.sort_buffer,
-            seed=d.seed,
-            max_len=d.max_len,
-            shuffle=training,
-            repeat=training,
+        return TokenBatchStream.from_config(
+            self.cfg.data, split, dp_rank=index, dp_size=count, shuffle=training, repeat=training
         )
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The trainer's own state: target tokens and training seconds so far (the step is the engine's)."""
+        return {"tokens": self.tokens, "train_seconds": self.train_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens, self.train_seconds = int(state["tokens"]), float(state["train_seconds"])
 
     def _load(self, step_dir: Path) -> None:
-        meta, state, rank_state = ckpt.load_checkpoint_state(step_dir, self.ctx, self.model)
-        import_state(self.engine, state, meta["optimizer_steps"])
-        ds = self.engine.ds
-        ds.global_steps, ds.skipped_steps = meta["step"], meta["skipped_steps"]
-        ds.global_samples = meta["step"] * self.feed.accumulation * self.ctx.dp_size
-        scaler = getattr(ds.optimizer, "loss_scaler", None)
-        for name, value in meta.get("loss_scaler", {}).items():
-            if scaler is not None and hasattr(scaler, name):
-                setattr(scaler, name, value)
-        self.feed.load(meta["data_states"], local_rng=rank_state.get("local_rng") if rank_state else None)
-        if rank_state is not None:
-            torch.set_rng_state(rank_state["torch_rng"])
-        self.tokens, self.train_seconds = meta["tokens"], meta.get("train_seconds", 0.0)
-        same = meta["layout"] == {
-            "tp": self.ctx.layout.tp,
-            "dp": self.ctx.layout.dp,
-            "world": self.ctx.layout.world_size,
-        }
-        self.log(
-            f"train: resumed from {step_dir} (step {meta['step']}, {meta['tokens']:,} target tokens"
-            f"{'' if same else ', layout tp={tp} dp={dp} -> tp={t} dp={d}'.format(**meta['layout'], t=self.ctx.layout.tp, d=self.ctx.layout.dp)})"
+        loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model)
+        self.engine.load_state_dict({"tensors": loaded.shard, "counters": loaded.run["engine"]})
+        self.load_state_dict(loaded.run["trainer"])
+        same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
+        self.feed.load_state_dict(
+            {
+                "dp_ranks": [r["feed"] for r in loaded.replicas_of_dp_ranks()],
+                "same_rank": same_rank and same_rank["feed"],
+            }
         )
-
-    # ---- checkpoints ------------------------------------------------------------------------
+        if loaded.rank is not None:
+            torch.set_rng_state(loaded.rank["torch_rng"])
+        old, new = loaded.meta["layout"], self.ctx.layout
+        moved = (old["tp"], old["dp"]) != (new.tp, new.dp)
+        change = f", layout tp={old['tp']} dp={old['dp']} -> tp={new.tp} dp={new.dp}" if moved else ""
+        self.log(f"train: resumed from {step_dir} (step {loaded.meta['step']}, {self.tokens:,} target tokens{change})")
 
     def save(self, reason: str) -> Path:
-        ds = self.engine.ds
-        scaler = getattr(ds.optimizer, "loss_scaler", None)
-        scaler_state = {
-            k: getattr(scaler, k)
-            for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-            if scaler is not None and hasattr(scaler, k)
-        }
-        scaler_state = {k: (v.item() if torch.is_tensor(v) else v) for k, v in scaler_state.items()}
+        engine = self.engine.state_dict()
         path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints",
-            ds.global_steps,
+            self.engine.global_steps,
             self.ctx,
-            model_state=export_state(self.engine),
-            rank_state={"torch_rng": torch.get_rng_state(), "local_rng": self.feed.local_rng_state()},
-            data_state=self.feed.state(),
+            ckpt.CheckpointState(
+                shard=engine["tensors"],
+                run={"engine": engine["counters"], "trainer": self.state_dict()},
+                replica={"feed": self.feed.state_dict()},
+                rank={"torch_rng": torch.get_rng_state()},
+            ),
             meta={
-                "optimizer_steps": adam_step(self.engine),
-                "skipped_steps": ds.skipped_steps,
                 "tokens": self.tokens,
-                "train_seconds": self.train_seconds,
                 "vocab_size": self.cfg.data.vocab_size,
-                "data_streams": self.feed.streams,
-                "loss_scaler": scaler_state,
                 "config": to_dict(self.cfg),
                 "reason": reason,
                 "time": time.time(),
@@ -196,75 +199,79 @@ class Trainer:
         self.log(f"checkpoint: saved {path} ({reason})")
         return path
 
-    # ---- the loop ---------------------------------------------------------------------------
+    # ---- one step ---------------------------------------------------------------------------
 
     def _world_sum(self, values: list[float]) -> list[float]:
         """Sum over every rank; TP peers hold equal values, so a DP sum is this divided by tp."""
         t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)  # nccl reduces device tensors only
         if dist.is_initialized():
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.ctx.world_group)
         return t.tolist()
 
     def step(self, flags: list[float]) -> tuple[float, float, list[float]]:
-        """One optimizer step: (this rank's summed loss, the step's DP target tokens, world-summed flags).
+        """One optimizer step: (the step's DP-summed loss, its DP target tokens, world-summed flags).
 
-        A single all-reduce per step carries the token count and the flags (signals received,
-        time up), so that every rank stops at the same step.
+        An all-reduce before the step carries the token count and the flags (signals
+        received, time up), so that every rank stops at the same step; one after it
+        carries the loss and whether any rank saw a non-finite loss or gradient norm.
         """
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
         reduced = self._world_sum([local] + flags)
         tokens, flags = reduced[0] / self.ctx.layout.tp, reduced[1:]
-
-        def batches():
-            for m in micro:
-                self.feed.use_rng_of(m.stream)  # the dropout masks of the stream the batch came from
-                yield m.batch
-                self.feed.save_rng_of(m.stream)
-
-        loss_sum = accumulate(self.engine, batches(), tokens, self.cfg.train.label_smoothing)
-        return loss_sum, tokens, flags
+        skipped_before = self.engine.skipped_steps
+        loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
+        skipped = self.engine.skipped_steps > skipped_before  # an fp16 overflow: DeepSpeed skipped the update
+        norm = self.engine.grad_norm()
+        broken = not skipped and (not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)))
+        loss_sum, broken_ranks = self._world_sum([0.0 if skipped else loss, float(broken)])
+        if broken_ranks:
+            raise TrainingError(
+                f"step {self.engine.global_steps}: the loss or the gradient norm is not finite (loss {loss:g}, "
+                f"gradient norm {norm}); nothing was saved. Likely causes: a learning rate too high "
+                f"(train.lr_scale={self.cfg.train.lr_scale}, train.warmup_steps={self.cfg.train.warmup_steps}) or "
+                f"fp16 without enough loss-scale headroom; resume from the last checkpoint with a lower lr_scale"
+            )
+        return loss_sum / self.ctx.layout.tp, 0.0 if skipped else tokens, flags
 
     @torch.no_grad()
     def validate(self) -> dict | None:
         """Validation loss (label-smoothed, as trained) and perplexity (plain NLL) over the valid split."""
         if not self.has_valid:
             return None
-        from megaformer.parallel import vocab_parallel_cross_entropy
-
         self.model.eval()
         stream = self._stream(self.ctx.dp_rank, self.ctx.dp_size, "valid")
-        sums = [0.0, 0.0, 0.0]
+        pad_id, sums = self.model.pad_id, [0.0, 0.0, 0.0]
         for batch in stream:
             b = batch.to(self.ctx.device)
-            logits = self.model(b.src, b.tgt_in).flatten(0, 1)
-            target = b.tgt_out.flatten()
-            args = (target, self.ctx.tp, self.cfg.data.vocab_size)
-            sums[0] += vocab_parallel_cross_entropy(logits, *args, self.cfg.train.label_smoothing, 0).sum().item()
-            sums[1] += vocab_parallel_cross_entropy(logits, *args, 0.0, 0).sum().item()
+            src, tgt_in, tgt_out = (b.src, b.tgt_in, b.tgt_out)
+            if self.cfg.parallel.sequence_parallel:
+                src, tgt_in, tgt_out = _pad_for_sequence_parallel(b, self.ctx.tp.size, pad_id)
+            logits = self.model(src, tgt_in).flatten(0, 1)
+            args = (tgt_out.flatten(), self.ctx.tp, self.cfg.data.vocab_size)
+            smoothed = vocab_parallel_cross_entropy(logits, *args, self.cfg.train.label_smoothing, pad_id).sum()
+            nll = vocab_parallel_cross_entropy(logits, *args, 0.0, pad_id).sum()
+            sums[0] += smoothed.item()
+            sums[1] += nll.item()
             sums[2] += b.tgt_tokens
         self.model.train()
         loss, nll, tokens = (v / self.ctx.layout.tp for v in self._world_sum(sums))
-        return {
-            "loss": loss / tokens,
-            "nll": nll / tokens,
-            "ppl": math.exp(min(nll / tokens, 50.0)),
-            "tokens": int(tokens),
-        }
+        ppl = math.exp(min(nll / tokens, 50.0))
+        return {"loss": loss / tokens, "nll": nll / tokens, "ppl": ppl, "tokens": int(tokens)}
+
+    # ---- the loop ---------------------------------------------------------------------------
 
     def train(self) -> int:
         """Train to ``train.max_steps``; returns the process exit status."""
         t = self.cfg.train
-        ds = self.engine.ds
-        ds.train()
+        self.engine.train()
         logger = MetricsLogger(self.run_dir, self.ctx.is_main, t.max_steps)
         watch = SignalWatch()
-        start_step = ds.global_steps
-        last_save = time.monotonic()
-        window = {"loss": 0.0, "tokens": 0.0, "seconds": 0.0, "steps": 0}
-        status = 0
+        start_step = self.engine.global_steps
+        self._last_save = time.monotonic()
+        window = _Window()
         try:
-            while ds.global_steps < t.max_steps:
+            while self.engine.global_steps < t.max_steps:
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
                 began = time.perf_counter()
                 loss_sum, tokens, (usr1, term, up) = self.step(
@@ -273,53 +280,47 @@ class Trainer:
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
                 self.tokens += int(tokens)
-                window["loss"] += loss_sum
-                window["tokens"] += tokens
-                window["seconds"] += seconds
-                window["steps"] += 1
-                step = ds.global_steps
-                if step % t.log_interval == 0 or step == t.max_steps:
-                    self._log(logger, window)
-                    window = {"loss": 0.0, "tokens": 0.0, "seconds": 0.0, "steps": 0}
-                if t.eval_interval and step % t.eval_interval == 0:
-                    self._validate(logger, step)
+                window.add(loss_sum, tokens, seconds)
                 signal = TERMINATE if term else REQUEUE if usr1 else NONE
-                minutes_due = t.save_minutes > 0 and time.monotonic() - last_save >= 60 * t.save_minutes
-                if (
-                    signal != NONE
-                    or up
-                    or step == t.max_steps
-                    or minutes_due
-                    or (t.save_interval and step % t.save_interval == 0)
-                ):
-                    reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, "time limit" if up else "schedule")
-                    self.save(reason)
-                    last_save = time.monotonic()
+                self._after_step(logger, window, signal, bool(up))
                 if signal == REQUEUE:
+                    step = self.engine.global_steps
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
-                    self.log(
-                        f"train: stopping at step {step} after SIGUSR1 ({'requeued' if accepted else 'not requeued'})"
-                    )
+                    self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
                     return 0
                 if signal == TERMINATE:
-                    self.log(f"train: stopping at step {step} after SIGTERM (saved, not requeued)")
+                    self.log(f"train: stopping at step {self.engine.global_steps} after SIGTERM (saved, not requeued)")
                     return EXIT_TERMINATED
                 if up:
-                    self.log(f"train: train.max_minutes={t.max_minutes} reached at step {step}")
+                    self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")
                     break
-            if t.eval_interval and ds.global_steps % t.eval_interval:  # not validated at this step yet
-                self._validate(logger, ds.global_steps)
+            if t.eval_interval and self.engine.global_steps % t.eval_interval:  # not validated at this step yet
+                self._validate(logger, self.engine.global_steps)
         finally:
             watch.restore()
             logger.close()
-        return status
+        return 0
 
-    def _log(self, logger: MetricsLogger, window: dict) -> None:
-        loss_sum = self._world_sum([window["loss"]])[0] / self.ctx.layout.tp
-        tokens_per_s = window["tokens"] / max(window["seconds"], 1e-9)
+    def _after_step(self, logger: MetricsLogger, window: _Window, signal: int, time_up: bool) -> None:
+        """Log, validate and save as scheduled (and on a signal or the time limit)."""
+        t, step = self.cfg.train, self.engine.global_steps
+        if step % t.log_interval == 0 or step == t.max_steps:
+            self._log(logger, window)
+            window.reset()
+        if t.eval_interval and step % t.eval_interval == 0:
+            self._validate(logger, step)
+        minutes_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
+        scheduled = t.save_interval and step % t.save_interval == 0
+        if signal != NONE or time_up or step == t.max_steps or minutes_due or scheduled:
+            reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, "time limit" if time_up else "schedule")
+            self.save(reason)
+            self._last_save = time.monotonic()
+
+    def _log(self, logger: MetricsLogger, window: _Window) -> None:
+        tokens_per_s = window.tokens / max(window.seconds, 1e-9)
         record = {
-            "step": self.engine.ds.global_steps,
-            "loss": loss_sum / max(window["tokens"], 1.0),
+            "step": self.engine.global_steps,
+            "loss": window.loss / window.tokens if window.tokens else None,  # None: only skipped fp16 steps
             "lr": self.engine.lr(),
             "grad_norm": self.engine.grad_norm(),
             "loss_scale": self.engine.loss_scale(),
@@ -327,7 +328,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": 6 * self.parameters * tokens_per_s / self.peak,
             "epoch": self.feed.epoch(),
-            "skipped_steps": self.engine.ds.skipped_steps,
+            "skipped_steps": self.engine.skipped_steps,
             "train_seconds": self.train_seconds,
         }
         logger.log(record)
@@ -339,3 +340,18 @@ class Trainer:
             return
         logger.log({"step": step, **result}, prefix="valid")
         self.log(f"valid  {step:>6d} | loss {result['loss']:.4f} | nll {result['nll']:.4f} | ppl {result['ppl']:.2f}")
+
+
+class _Window:
+    """Sums over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss, self.tokens, self.seconds = 0.0, 0.0, 0.0
+
+    def add(self, loss: float, tokens: float, seconds: float) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        self.seconds += seconds

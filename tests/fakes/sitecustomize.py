@@ -5,7 +5,8 @@ MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
 - ``kill``: SIGKILL this process after optimizer step N (on rank R);
 - ``kill_in_save``: SIGKILL right after this rank wrote its model file of checkpoint N;
 - ``usr1`` / ``term``: send SIGUSR1 / SIGTERM to this process after step N;
-- ``overflow``: make step N's loss infinite (fp16 overflow).
+- ``overflow``: make step N's loss infinite (fp16 overflow);
+- ``nan``: make step N's loss NaN (a diverged run, in any precision).
 
 Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
 """
@@ -34,16 +35,16 @@ def _patch_trainer(module):
     original = module.Trainer.step
 
     def step_with_fault(self, flags):
-        target = self.engine.ds.global_steps + 1
-        if what == "overflow" and target == step:
-            loss_fn = self.model.loss
-            self.model.loss = lambda *a, **k: (lambda out: (out[0] * float("inf"), out[1]))(loss_fn(*a, **k))
+        target = self.engine.global_steps + 1
+        if what in ("overflow", "nan") and target == step:
+            loss_fn, value = self.model.loss, float("inf" if what == "overflow" else "nan")
+            self.model.loss = lambda *a, **k: (lambda out: (out[0] * value, out[1]))(loss_fn(*a, **k))
             try:
                 return original(self, flags)
             finally:
                 del self.model.loss
         result = original(self, flags)
-        if self.engine.ds.global_steps == step and _mine(rank):
+        if self.engine.global_steps == step and _mine(rank):
             sig = {"kill": signal.SIGKILL, "usr1": signal.SIGUSR1, "term": signal.SIGTERM}.get(what)
             if sig is not None:
                 sys.stdout.flush()
