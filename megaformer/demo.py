@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from megaformer.cli_args import int_range, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,8 +38,8 @@ def _run(title: str, args: list[str], capture: bool = False) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="runs/demo", help="where the corpus, shards and run go")
-    p.add_argument("--pairs", type=int, default=20000, help="training pairs of the built-in corpus")
-    p.add_argument("--steps", type=int, default=800, help="optimizer steps in all (half before the resume)")
+    p.add_argument("--pairs", type=positive_int, default=20000, help="training pairs of the built-in corpus")
+    p.add_argument("--steps", type=int_range(2), default=800, help="optimizer steps in all (half before the resume)")
     args = p.parse_args()
     started = time.monotonic()
     work = ROOT / args.dir
@@ -91,11 +93,11 @@ def main() -> int:
             "evaluate",
             "--ckpt",
             str(run),
-            "--src",
+            "--input",
             str(data / "test.xx"),
             "--ref",
             str(data / "test.yy"),
-            "--out",
+            "--output",
             str(work / "test.hyp"),
         ],
     )
