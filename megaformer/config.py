@@ -100,7 +100,8 @@ class DecodeConfig:
     lenpen: float = 0.6  # ((5 + |Y|) / 6) ** lenpen
     max_len_a: float = 1.0  # maximum output length = a * source length + b
     max_len_b: int = 50
-    average_last: int = 5  # checkpoints averaged for evaluation
+    average_last: int = 5  # checkpoints `megaformer average --run-dir` averages when --last is not given
+    max_tokens: int = 4096  # source tokens per decoding batch, padding included (data.max_tokens is for training)
 
 
 @dataclass
@@ -178,7 +179,11 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. --set model.num_heads=16")
     key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML; quote it, e.g. {key}='{raw}'") from None
+    return key.strip().split("."), value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -190,8 +195,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file not found: {path}")
         try:
             values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        except yaml.YAMLError as err:  # one line: the problem and where, not PyYAML's multi-line picture
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         try:
@@ -259,6 +267,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("decode", "max_len_a"): (0.0, _INF, False, False),
     ("decode", "max_len_b"): (0, _INF, False, False),
     ("decode", "average_last"): (1, _INF, False, False),
+    ("decode", "max_tokens"): (1, _INF, False, False),
 }
 
 

@@ -16,10 +16,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+from sacrebleu.metrics import BLEU
+
 from megaformer.cli_args import existing_file, new_file
 from megaformer.decode.evaluate import corpus_scores
 from megaformer.decode.translate import (
     add_search_arguments,
+    max_tokens_from_args,
     open_model,
     read_text_lines,
     settings_from_args,
@@ -33,7 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", type=existing_file, required=True, help="source sentences, one a line (raw text)")
     parser.add_argument("--ref", type=existing_file, required=True, help="reference translations, one a line")
     parser.add_argument("--output", type=new_file, help="write the hypotheses here")
-    parser.add_argument("--tokenize", default="13a", help="sacreBLEU tokenizer (default 13a; zh, ja-mecab, intl ...)")
+    parser.add_argument(
+        "--tokenize",
+        default="13a",
+        choices=sorted(BLEU.TOKENIZERS),
+        help="sacreBLEU tokenizer (default 13a; zh, ja-mecab, intl ...)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_search_arguments(parser)
 
@@ -57,7 +65,14 @@ def main(args: argparse.Namespace) -> int:
     model, ckpt = open_model(args.ckpt, "evaluate")
     settings = settings_from_args(args, model)
     hypotheses, seconds = translate_text(
-        ckpt, model, sources, settings, max_tokens=args.max_tokens, tp=args.tp, quiet=args.quiet, source=args.input
+        ckpt,
+        model,
+        sources,
+        settings,
+        max_tokens=max_tokens_from_args(args, model),
+        tp=args.tp,
+        quiet=args.quiet,
+        source=args.input,
     )
     if args.output:
         write_lines(args.output, hypotheses)

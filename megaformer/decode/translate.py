@@ -281,8 +281,7 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens",
         type=positive_int,
-        default=4096,
-        help="source tokens per decoding batch, padding included (default 4096; data.max_tokens is for training)",
+        help="source tokens per decoding batch, padding included (default: decode.max_tokens, 4096)",
     )
     parser.add_argument(
         "--tp", type=positive_int, default=1, help="tensor-parallel processes to decode with (default 1)"
@@ -310,6 +309,11 @@ def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
     return load_model_file(path), path
 
 
+def max_tokens_from_args(args: argparse.Namespace, model: Consolidated) -> int:
+    """``--max-tokens``, else the checkpoint's ``decode.max_tokens``: every search option defaults to decode.*."""
+    return args.max_tokens if args.max_tokens is not None else model.config.decode.max_tokens
+
+
 def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchSettings:
     try:
         return SearchSettings.from_config(
@@ -333,7 +337,7 @@ def main(args: argparse.Namespace) -> int:
         model,
         lines,
         settings_from_args(args, model),
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens_from_args(args, model),
         tp=args.tp,
         quiet=args.quiet,
         source=args.input or "stdin",
