@@ -421,3 +421,13 @@ def test_model_config_ranges_name_the_key():
 
     with pytest.raises(ConfigError, match=r"model.dropout=1.0: must be in \[0.0, 1.0\)"):
         validate(cfg)
+
+
+def test_inspect_notices_a_deleted_shard_without_verify(run, tmp_path):
+    data = tmp_path / "data"
+    code, _, err = run("prepare", "--synthetic", "300", "--vocab-size", "200", "--shard-size", "100", "--out", data)
+    assert code == 0, err
+    assert run("inspect", data)[0] == 0
+    shard = sorted(data.rglob("*.tar"))[0]
+    shard.unlink()
+    assert_one_line_error(*run("inspect", data)[::2], f"{shard.name}: listed in")

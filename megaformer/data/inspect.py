@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -92,6 +93,9 @@ def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False
                 "tgt": np.bincount(data.lengths[:, 1] // BIN_WIDTH, minlength=bins).tolist(),
             },
         }
+        for url in data.urls:  # cheap, so always: a deleted shard is noticed without --verify
+            if not Path(url).is_file():
+                raise DataError(f"{url}: listed in {mpath} but missing (run megaformer prepare again)")
         if verify:
             for url, shard in zip(data.urls, entry["shards"]):
                 for _ in read_shard(url, expected=shard["samples"]):
