@@ -52,8 +52,15 @@ SYNTHETIC_VOCAB = 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Four groups: input corpora, output folder, tokenizer, training-data filters."""
     defaults = DataConfig()
-    data = parser.add_argument_group("input")
+    _add_input_arguments(parser.add_argument_group("input"), defaults)
+    _add_output_arguments(parser.add_argument_group("output"), defaults)
+    _add_tokenizer_arguments(parser.add_argument_group("tokenizer"), defaults)
+    _add_filter_arguments(parser.add_argument_group("training-data filters (valid/test keep every line)"), defaults)
+
+
+def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     data.add_argument("--src", default=defaults.src_lang, help="source language suffix (default: %(default)s)")
     data.add_argument("--tgt", default=defaults.tgt_lang, help="target language suffix (default: %(default)s)")
     data.add_argument(
@@ -71,7 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"generate the built-in corpus with N training pairs (languages {SRC_LANG}/{TGT_LANG}) instead of --train",
     )
-    out = parser.add_argument_group("output")
+
+
+def _add_output_arguments(out: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     out.add_argument("--out", type=new_dir, required=True, metavar="DIR", help="directory to create")
     out.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     out.add_argument(
@@ -85,7 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of the BPE sample, the order of training pairs in the shards and --synthetic (default: %(default)s)",
     )
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    tok = parser.add_argument_group("tokenizer")
+
+
+def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     tok.add_argument(
         "--vocab-size",
         type=int_range(8),
@@ -109,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="sentencepiece character coverage (default: %(default)s)",
     )
-    filt = parser.add_argument_group("training-data filters (valid/test keep every line)")
+
+
+def _add_filter_arguments(filt: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     filt.add_argument(
         "--max-len",
         type=nonneg_int,
