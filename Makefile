@@ -40,8 +40,8 @@ multi30k: install
 		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) \
 		--run-dir $(M30K)/run --nproc 2 --resume auto
 	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K)/run --out $(M30K)/averaged.pt
-	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged.pt --src $(M30K)/data/test.en \
-		--ref $(M30K)/data/test.de --out $(M30K)/test.hyp
+	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged.pt --input $(M30K)/data/test.en \
+		--ref $(M30K)/data/test.de --output $(M30K)/test.hyp
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

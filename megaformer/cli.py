@@ -1,10 +1,12 @@
 """megaformer: train, decode and evaluate the Transformer of "Attention Is All You Need".
 
-One sub-command per job, each in the module that owns it.
+One sub-command per job, each in the module that owns it, registered in :data:`COMMANDS`.
 
 Every sub-command module exposes ``add_arguments(parser)`` and ``main(args) -> int``.
-Errors derived from :class:`megaformer.errors.MegaformerError` are printed on one line
-(naming the file, line or setting) and end the process with status 2; no traceback.
+Errors derived from :class:`megaformer.errors.MegaformerError`, and argument errors
+(:mod:`megaformer.cli_args` checks every number and path as it is parsed), are printed
+on one line naming the option, file or setting, and end the process with status 2; no
+traceback.
 """
 
 from __future__ import annotations
@@ -12,59 +14,94 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import NoReturn
 
 from megaformer.errors import MegaformerError
 
-# name -> (module, one-line help); modules are imported only when their command runs.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("megaformer.data.prepare", "clean parallel text, train sentencepiece, write webdataset shards"),
-    "inspect": ("megaformer.data.inspect", "summarise a prepared data directory"),
-    "info": ("megaformer.info", "parameters, FLOPs and memory of a config"),
-    "parity": ("megaformer.parity", "check a TP=N model against TP=1 on this installation"),
-    "train": (
+
+@dataclass(frozen=True)
+class Command:
+    """A sub-command: the module that defines it (imported only when the command runs) and its help line.
+
+    ``add`` and ``main`` name the module's two functions; every module but one uses the
+    defaults (``export`` still shares its module with ``train`` until it has its own).
+    """
+
+    name: str
+    module: str
+    help: str
+    add: str = "add_arguments"
+    main: str = "main"
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("prepare", "megaformer.data.prepare", "clean parallel text, train sentencepiece, write webdataset shards"),
+    Command("inspect", "megaformer.data.inspect", "summarise a prepared data directory"),
+    Command("info", "megaformer.info", "parameters, FLOPs and memory of a config"),
+    Command("parity", "megaformer.parity", "check a TP=N model against TP=1 on this installation"),
+    Command(
+        "train",
         "megaformer.train.command",
         "train (torchrun, srun, the deepspeed launcher, or --nproc N local processes)",
     ),
-    "reshard": ("megaformer.train.command:reshard", "rewrite a checkpoint for another tensor-parallel size"),
-    "export": ("megaformer.train.command:export", "write one consolidated, TP-independent model file"),
-    "translate": ("megaformer.decode.translate", "translate raw text with a checkpoint or model file (beam search)"),
-    "evaluate": ("megaformer.decode.evaluate_command", "translate a test set and score it with sacreBLEU and chrF"),
-    "average": ("megaformer.decode.average_command", "average the parameters of several checkpoints, as in the paper"),
-}
+    Command("reshard", "megaformer.train.reshard_command", "rewrite a checkpoint for another tensor-parallel size"),
+    Command(
+        "export",
+        "megaformer.train.command",
+        "write one consolidated, TP-independent model file",
+        add="add_export_arguments",
+        main="export_main",
+    ),
+    Command("translate", "megaformer.decode.translate", "translate raw text with a checkpoint or model file"),
+    Command("evaluate", "megaformer.decode.evaluate_command", "translate a test set and score it (BLEU, chrF)"),
+    Command("average", "megaformer.decode.average_command", "average the parameters of several checkpoints"),
+)
 
 
-def _entry(spec: str, function: str):
-    """``module`` -> module.function; ``module:prefix`` -> module.prefix_function (several commands in one module)."""
-    module, _, prefix = spec.partition(":")
-    name = f"{prefix}_{function}" if prefix else function
-    if prefix and function == "add_arguments":
-        name = f"add_{prefix}_arguments"
-    return getattr(importlib.import_module(module), name)
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (``megaformer CMD: error: ...``) and status 2, as for our own errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(wanted: str | None = None) -> Parser:
+    """The parser with every sub-command; only ``wanted``'s options are added ("*" adds them all).
+
+    Adding a command's options imports its module, and most modules import torch:
+    ``megaformer --help`` and one command stay quick.
+    """
+    parser = Parser(
+        prog="megaformer",
+        description=(__doc__ or "").splitlines()[0],
+        epilog="Run megaformer COMMAND --help for the options of a command.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=Parser)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p.set_defaults(_command=command)
+        if wanted in (command.name, "*"):
+            getattr(command.load(), command.add)(p)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Build only the requested sub-parser when possible: importing every command pulls in torch.
-    parser = argparse.ArgumentParser(
-        prog="megaformer",
-        description=__doc__.splitlines()[0],
-        epilog="Run megaformer COMMAND --help for the options of a command.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
-        if name == wanted:
-            _entry(module, "add_arguments")(p)
-    args = parser.parse_args(argv)
+    args = build_parser(wanted).parse_args(argv)
+    command: Command = args._command
     try:
-        return int(_entry(args._module, "main")(args) or 0)
+        return int(getattr(command.load(), command.main)(args) or 0)
     except MegaformerError as err:
-        print(f"megaformer {args.command}: error: {err}", file=sys.stderr)
+        print(f"megaformer {command.name}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"megaformer {args.command}: interrupted", file=sys.stderr)
+        print(f"megaformer {command.name}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
         import os

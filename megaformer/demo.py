@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from megaformer.cli_args import int_range, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -33,16 +35,9 @@ def _run(title: str, args: list[str], capture: bool = False) -> str:
     return proc.stdout or ""
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="runs/demo", help="where the corpus, shards and run go")
-    p.add_argument("--pairs", type=int, default=20000, help="training pairs of the built-in corpus")
-    p.add_argument("--steps", type=int, default=800, help="optimizer steps in all (half before the resume)")
-    args = p.parse_args()
-    started = time.monotonic()
-    work = ROOT / args.dir
-    data, run = work / "data", work / "run"
-    common = [
+def _train_options(run: Path, data: Path) -> list[str]:
+    """The options both training calls share: tiny config, TP=2 over 2 local processes, frequent saves."""
+    return [
         "--config",
         "configs/tiny.yaml",
         "--run-dir",
@@ -60,6 +55,18 @@ def main() -> int:
         "--set",
         "train.save_interval=100",
     ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", default="runs/demo", help="where the corpus, shards and run go")
+    p.add_argument("--pairs", type=positive_int, default=20000, help="training pairs of the built-in corpus")
+    p.add_argument("--steps", type=int_range(2), default=800, help="optimizer steps in all (half before the resume)")
+    args = p.parse_args()
+    started = time.monotonic()
+    work = ROOT / args.dir
+    data, run = work / "data", work / "run"
+    common = _train_options(run, data)
 
     if not (data / "manifest.json").is_file():
         _run(
@@ -91,11 +98,11 @@ def main() -> int:
             "evaluate",
             "--ckpt",
             str(run),
-            "--src",
+            "--input",
             str(data / "test.xx"),
             "--ref",
             str(data / "test.yy"),
-            "--out",
+            "--output",
             str(work / "test.hyp"),
         ],
     )

@@ -12,6 +12,7 @@ import json
 
 import torch
 
+from megaformer.cli_args import existing_file
 from megaformer.config import Config, load_config
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, padded_vocab_size
 
@@ -90,7 +91,7 @@ def _gib(n: float) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config, e.g. configs/transformer_big.yaml")
+    p.add_argument("--config", type=existing_file, required=True, help="YAML config, e.g. configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaformer.cli_args import existing_file, finite_float, positive_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
 from megaformer.parallel import (
@@ -23,6 +24,7 @@ from megaformer.parallel import (
     DropoutRNG,
     ParallelContext,
     ParallelLayout,
+    check_model_split,
     gather_from_tp,
     gather_full,
     tp_dim,
@@ -126,14 +128,16 @@ def check_parity(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (e.g. configs/tiny.yaml)")
+    p.add_argument("--config", type=existing_file, required=True, help="YAML config (e.g. configs/tiny.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size to check against TP=1")
+    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size to check against TP=1")
     p.add_argument("--sequence-parallel", action="store_true", help="also split LayerNorm/dropout regions by sequence")
-    p.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference accepted (fp32)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--src-len", type=int, default=24)
-    p.add_argument("--tgt-len", type=int, default=12)
+    p.add_argument(
+        "--tolerance", type=finite_float(0.0), default=1e-5, help="largest relative difference accepted (fp32)"
+    )
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--src-len", type=positive_int, default=24)
+    p.add_argument("--tgt-len", type=positive_int, default=12)
     p.add_argument("--all", action="store_true", help="print every gradient, not only the worst ten")
 
 
@@ -183,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
                 f"parity runs on exactly --tp processes; this launch has WORLD_SIZE={world}, --tp={args.tp}"
             )
         return _rank_main(cfg, args)
-    ParallelLayout.from_config(cfg.parallel, args.tp).validate_model(cfg.model)  # fail before any process starts
+    check_model_split(cfg.model, ParallelLayout.from_config(cfg.parallel, args.tp).tp)  # fail before any process starts
     from launcher.local import spawn
 
     return spawn(_rank_main, args.tp, cfg, args)

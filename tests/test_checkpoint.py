@@ -96,7 +96,7 @@ def test_damaged_newest_is_skipped_and_said(run_dir, tmp_path):
     said = []
     assert ckpt.find_latest(run_copy, said.append).name == "step-00000010"
     assert any("model-tp00-of-01.pt" in s and "sha256" in s for s in said)
-    assert any("using the older step-00000010" in s for s in said)
+    assert any("using the older checkpoint step-00000010" in s for s in said)
 
 
 @pytest.mark.parametrize("command", ["translate", "evaluate", "export", "average", "reshard"])

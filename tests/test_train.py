@@ -226,7 +226,7 @@ def test_reshard_and_export_commands(tp2_run, tmp_path):
 
     out = tmp_path / "tp4"
     proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "reshard", "--in", str(tp2_run), "--out", str(out), "--tp", "4"],
+        [sys.executable, "-m", "megaformer.cli", "reshard", "--ckpt", str(tp2_run), "--out", str(out), "--tp", "4"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 
+from megaformer.cli_args import existing_file, existing_path, positive_int
 from megaformer.config import DataConfig
 from megaformer.data.corpus import file_sha256
 from megaformer.data.shards import manifest_path, read_manifest, read_shard
@@ -27,24 +29,26 @@ BIN_WIDTH = 8
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = DataConfig()
-    parser.add_argument("dir", metavar="DIR", help="a directory written by megaformer prepare")
+    parser.add_argument("dir", type=existing_path, metavar="DIR", help="a directory written by megaformer prepare")
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=positive_int,
         default=defaults.max_tokens,
         metavar="N",
         help="tokens per batch and side, with padding (default: %(default)s)",
     )
     parser.add_argument(
         "--sort-buffer",
-        type=int,
+        type=positive_int,
         default=defaults.sort_buffer,
         metavar="N",
         help="samples sorted by length together (default: %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
     parser.add_argument("--verify", action="store_true", help="also read every shard and check its samples and sha256")
-    parser.add_argument("--spm", metavar="MODEL", help="check that the data was made with this sentencepiece model")
+    parser.add_argument(
+        "--spm", type=existing_file, metavar="MODEL", help="check that the data was made with this sentencepiece model"
+    )
 
 
 def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False, spm: str | None = None) -> dict:
@@ -89,6 +93,9 @@ def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False
                 "tgt": np.bincount(data.lengths[:, 1] // BIN_WIDTH, minlength=bins).tolist(),
             },
         }
+        for url in data.urls:  # cheap, so always: a deleted shard is noticed without --verify
+            if not Path(url).is_file():
+                raise DataError(f"{url}: listed in {mpath} but missing (run megaformer prepare again)")
         if verify:
             for url, shard in zip(data.urls, entry["shards"]):
                 for _ in read_shard(url, expected=shard["samples"]):

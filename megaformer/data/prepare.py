@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megaformer.cli_args import existing_file, finite_float, int_range, new_dir, nonneg_int, positive_int
 from megaformer.config import DataConfig
 from megaformer.data.corpus import (
     FilterSettings,
@@ -51,8 +52,15 @@ SYNTHETIC_VOCAB = 1000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Four groups: input corpora, output folder, tokenizer, training-data filters."""
     defaults = DataConfig()
-    data = parser.add_argument_group("input")
+    _add_input_arguments(parser.add_argument_group("input"), defaults)
+    _add_output_arguments(parser.add_argument_group("output"), defaults)
+    _add_tokenizer_arguments(parser.add_argument_group("tokenizer"), defaults)
+    _add_filter_arguments(parser.add_argument_group("training-data filters (valid/test keep every line)"), defaults)
+
+
+def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     data.add_argument("--src", default=defaults.src_lang, help="source language suffix (default: %(default)s)")
     data.add_argument("--tgt", default=defaults.tgt_lang, help="target language suffix (default: %(default)s)")
     data.add_argument(
@@ -66,57 +74,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--test", metavar="PREFIX", help="test corpus (every line kept)")
     data.add_argument(
         "--synthetic",
-        type=int,
+        type=positive_int,
         metavar="N",
         help=f"generate the built-in corpus with N training pairs (languages {SRC_LANG}/{TGT_LANG}) instead of --train",
     )
-    out = parser.add_argument_group("output")
-    out.add_argument("--out", required=True, metavar="DIR", help="directory to create")
+
+
+def _add_output_arguments(out: argparse._ArgumentGroup, defaults: DataConfig) -> None:
+    out.add_argument("--out", type=new_dir, required=True, metavar="DIR", help="directory to create")
     out.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     out.add_argument(
-        "--shard-size", type=int, default=10000, metavar="N", help="samples per shard (default: %(default)s)"
+        "--shard-size", type=positive_int, default=10000, metavar="N", help="samples per shard (default: %(default)s)"
     )
     out.add_argument(
         "--seed",
-        type=int,
+        type=int_range(0, 2**32 - 1),
         default=defaults.seed,
         metavar="N",
         help="seed of the BPE sample, the order of training pairs in the shards and --synthetic (default: %(default)s)",
     )
     out.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    tok = parser.add_argument_group("tokenizer")
+
+
+def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     tok.add_argument(
         "--vocab-size",
-        type=int,
+        type=int_range(8),
         metavar="N",
         help=f"shared BPE vocabulary (default: {defaults.vocab_size}; {SYNTHETIC_VOCAB} with --synthetic)",
     )
-    tok.add_argument("--spm", metavar="MODEL", help="reuse this sentencepiece model instead of training one")
+    tok.add_argument(
+        "--spm", type=existing_file, metavar="MODEL", help="reuse this sentencepiece model instead of training one"
+    )
     tok.add_argument(
         "--spm-sentences",
-        type=int,
+        type=nonneg_int,
         default=10_000_000,
         metavar="N",
         help="train BPE on a seeded sample of at most N sentences, 0 = all (default: %(default)s)",
     )
     tok.add_argument(
         "--character-coverage",
-        type=float,
+        type=finite_float(0.0, 1.0, lo_open=True),
         default=1.0,
         metavar="F",
         help="sentencepiece character coverage (default: %(default)s)",
     )
-    filt = parser.add_argument_group("training-data filters (valid/test keep every line)")
+
+
+def _add_filter_arguments(filt: argparse._ArgumentGroup, defaults: DataConfig) -> None:
     filt.add_argument(
         "--max-len",
-        type=int,
+        type=nonneg_int,
         default=defaults.max_len,
         metavar="N",
         help="drop pairs with more than N tokens on a side, 0 = no limit (default: %(default)s)",
     )
     filt.add_argument(
         "--max-ratio",
-        type=float,
+        type=finite_float(0.0),
         default=9.0,
         metavar="R",
         help="drop pairs whose longer side has over R times the tokens of the shorter, 0 = off (default: %(default)s)",
@@ -371,6 +387,17 @@ class Preparation:
         }
 
 
+def _check_inputs_outside(out: Path, args: argparse.Namespace) -> None:
+    """``--force`` replaces DIR: refuse a DIR that holds one of this call's inputs (it would be deleted)."""
+    for option, value in [("--train", t) for t in args.train] + [
+        ("--valid", args.valid),
+        ("--test", args.test),
+        ("--spm", args.spm),
+    ]:
+        if value and out.resolve() in Path(value).absolute().resolve().parents:
+            raise DataError(f"--out {out} holds the input {option} {value}: write the prepared data elsewhere")
+
+
 def _check_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory")
@@ -402,6 +429,7 @@ def main(args: argparse.Namespace) -> int:
         raise DataError(f"--vocab-size must be at least 8, got {args.vocab_size}")
     out = Path(args.out).absolute()
     _check_out(out, args.force)
+    _check_inputs_outside(out, args)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:

@@ -1,6 +1,8 @@
 """Train or load the one sentencepiece BPE model shared by source and target (paper, 5.1).
 
-The special ids are fixed for the whole code base: pad=0, unk=1, bos=2, eos=3. A model
+The special ids are fixed for the whole code base: pad=0, unk=1, bos=2, eos=3, defined
+here and nowhere else (every other module imports them, or reads them from a
+:class:`Tokenizer`; :func:`check_special_ids` is the one check of a loaded model). A model
 made elsewhere is accepted only if it uses the same ids (otherwise padding would be a
 real token). Training is deterministic: one thread and a fixed sampling seed give a
 byte-identical model for the same text.
@@ -76,8 +78,26 @@ def _sentences(paths: Sequence[Path]) -> Iterator[str]:
                 yield line.rstrip("\n")
 
 
+def check_special_ids(processor: spm.SentencePieceProcessor, source: str) -> None:
+    """DataError naming ``source`` unless ``processor`` uses megaformer's pad/unk/bos/eos ids."""
+    found = {
+        "pad_id": processor.pad_id(),
+        "unk_id": processor.unk_id(),
+        "bos_id": processor.bos_id(),
+        "eos_id": processor.eos_id(),
+    }
+    if found != SPECIAL_IDS:
+        wanted = " ".join(f"{k}={v}" for k, v in SPECIAL_IDS.items())
+        got = " ".join(f"{k}={v}" for k, v in found.items())
+        raise DataError(
+            f"{source}: special ids {got}; megaformer needs {wanted} (train with these sentencepiece options)"
+        )
+
+
 class Tokenizer:
     """A loaded sentencepiece model with the special ids checked, plus its file and sha256."""
+
+    pad_id, unk_id, bos_id, eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -88,18 +108,7 @@ class Tokenizer:
             self.processor.Load(str(self.path))
         except (OSError, RuntimeError):
             raise DataError(f"{self.path}: not a sentencepiece model") from None
-        found = {
-            "pad_id": self.processor.pad_id(),
-            "unk_id": self.processor.unk_id(),
-            "bos_id": self.processor.bos_id(),
-            "eos_id": self.processor.eos_id(),
-        }
-        if found != SPECIAL_IDS:
-            wanted = " ".join(f"{k}={v}" for k, v in SPECIAL_IDS.items())
-            got = " ".join(f"{k}={v}" for k, v in found.items())
-            raise DataError(
-                f"{self.path}: special ids {got}; megaformer needs {wanted} (train with these sentencepiece options)"
-            )
+        check_special_ids(self.processor, str(self.path))
         self.sha256 = file_sha256(self.path)
 
     @property

@@ -45,15 +45,15 @@ so TP=N decodes what TP=1 decodes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from megaformer.config import DecodeConfig
+from megaformer.data.tokenizer import BOS_ID, EOS_ID
 from megaformer.decode.vocab_topk import vocab_parallel_topk
 from megaformer.model import DecoderCache, Transformer
-
-BOS_ID, EOS_ID = 2, 3
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,8 @@ class SearchSettings:
     def __post_init__(self) -> None:
         if self.beam < 1:
             raise ValueError(f"beam must be at least 1, got {self.beam}")
+        if not (math.isfinite(self.lenpen) and math.isfinite(self.max_len_a)):
+            raise ValueError(f"lenpen and max_len_a must be finite numbers, got {self.lenpen}, {self.max_len_a}")
         if self.max_len_a < 0 or self.max_len_b < 0 or self.min_len < 0:
             raise ValueError(
                 f"max_len_a, max_len_b and min_len must be >= 0, got {self.max_len_a}, {self.max_len_b}, {self.min_len}"

@@ -29,23 +29,38 @@ from megaformer.train.checkpoint import Consolidated, check_complete, checkpoint
 class Scores:
     """Corpus-level scores of one set of hypotheses."""
 
-    bleu: float
+    bleu: float  # cased (sacreBLEU's default)
     chrf: float
     bleu_signature: str  # e.g. nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0
     chrf_signature: str
     bleu_text: str  # sacreBLEU's line: "BLEU|<signature> = 27.31 58.1/33.2/20.9/13.6 (BP = ...)"
     chrf_text: str
+    bleu_lc: float  # lowercased (sacreBLEU -lc), what Multi30k papers report
+    bleu_lc_signature: str  # ...|case:lc|...
+    bleu_lc_text: str
 
 
 def corpus_scores(hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a") -> Scores:
-    """sacreBLEU corpus BLEU and chrF of detokenized ``hypotheses`` against one reference each."""
+    """sacreBLEU corpus BLEU (cased and lowercased) and chrF of detokenized ``hypotheses``, one reference each."""
     if len(hypotheses) != len(references):
         raise DataError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu, chrf = BLEU(tokenize=tokenize), CHRF()
-    refs = [list(references)]
-    b, c = bleu.corpus_score(list(hypotheses), refs), chrf.corpus_score(list(hypotheses), refs)
-    b_sig, c_sig = str(bleu.get_signature()), str(chrf.get_signature())
-    return Scores(b.score, c.score, b_sig, c_sig, b.format(signature=b_sig), c.format(signature=c_sig))
+    if not hypotheses:
+        raise DataError("no sentences to score")
+    bleu, bleu_lc, chrf = BLEU(tokenize=tokenize), BLEU(tokenize=tokenize, lowercase=True), CHRF()
+    hyps, refs = list(hypotheses), [list(references)]
+    b, lc, c = bleu.corpus_score(hyps, refs), bleu_lc.corpus_score(hyps, refs), chrf.corpus_score(hyps, refs)
+    b_sig, lc_sig, c_sig = str(bleu.get_signature()), str(bleu_lc.get_signature()), str(chrf.get_signature())
+    return Scores(
+        b.score,
+        c.score,
+        b_sig,
+        c_sig,
+        b.format(signature=b_sig),
+        c.format(signature=c_sig),
+        lc.score,
+        lc_sig,
+        lc.format(signature=lc_sig),
+    )
 
 
 # ---- checkpoint averaging -------------------------------------------------------------------
@@ -112,18 +127,20 @@ def average_checkpoints(
     return dataclasses.replace(last, model=mean, meta=meta)
 
 
-def last_checkpoints(run_dir: str | Path, count: int) -> list[Path]:
+def last_checkpoints(run_dir: str | Path, count: int, log: Callable[[str], None] = print) -> list[Path]:
     """The ``count`` newest complete checkpoints (step directories) of a run, oldest first.
 
-    Incomplete or torn step directories are skipped; fewer than ``count`` complete ones
-    is a CheckpointError that says how many there are.
+    Incomplete or torn step directories are skipped, each announced through ``log``
+    (an average of other steps than the newest is never silent); fewer than ``count``
+    complete ones is a CheckpointError that says how many there are.
     """
     root = checkpoint_root(Path(run_dir))
     complete = []
     for step_dir in list_checkpoints(root):  # newest first
         try:
-            check_complete(step_dir)
-        except CheckpointError:
+            check_complete(step_dir, verify=True)
+        except CheckpointError as err:
+            log(f"checkpoint: skipping {err}")
             continue
         complete.append(step_dir)
         if len(complete) == count:

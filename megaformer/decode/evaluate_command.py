@@ -1,9 +1,12 @@
 """``megaformer evaluate``: translate a test set and score it with sacreBLEU (BLEU and chrF).
 
-Prints sacreBLEU's lines with their signatures, or with ``--json`` one object with the
-keys ``bleu``, ``chrf``, ``signature`` (BLEU's), ``chrf_signature``, ``sentences``,
-``seconds`` (time spent searching) and the search settings. ``--out`` keeps the
-hypotheses.
+Prints sacreBLEU's lines with their signatures: cased BLEU (sacreBLEU's default, what
+the WMT results are compared with), lowercased BLEU (``-lc``, 13a: what Multi30k papers
+report) and chrF, each line saying which it is. With ``--json``, one object with the
+keys ``bleu`` (cased), ``signature``, ``bleu_lc``, ``signature_lc``, ``chrf``,
+``chrf_signature``, ``sentences``, ``seconds`` (time spent searching), ``checkpoint``
+(the file or step directory scored) and ``step``, and the search settings.
+``--output`` keeps the hypotheses.
 """
 
 from __future__ import annotations
@@ -11,58 +14,89 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
+from sacrebleu.metrics import BLEU
+
+from megaformer.cli_args import existing_file, new_file
 from megaformer.decode.evaluate import corpus_scores
-from megaformer.decode.loading import load_model_file
 from megaformer.decode.translate import (
     add_search_arguments,
-    read_lines,
+    max_tokens_from_args,
+    open_model,
+    read_text_lines,
     settings_from_args,
     translate_text,
     write_lines,
 )
-from megaformer.errors import DataError
+from megaformer.errors import ConfigError, DataError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--src", required=True, help="source sentences, one a line (raw text)")
-    parser.add_argument("--ref", required=True, help="reference translations, one a line (raw text)")
-    parser.add_argument("--out", help="write the hypotheses here")
-    parser.add_argument("--tokenize", default="13a", help="sacreBLEU tokenizer (default 13a; zh, ja-mecab, intl ...)")
+    parser.add_argument("--input", type=existing_file, required=True, help="source sentences, one a line (raw text)")
+    parser.add_argument("--ref", type=existing_file, required=True, help="reference translations, one a line")
+    parser.add_argument("--output", type=new_file, help="write the hypotheses here")
+    parser.add_argument(
+        "--tokenize",
+        default="13a",
+        choices=sorted(BLEU.TOKENIZERS),
+        help="sacreBLEU tokenizer (default 13a; zh, ja-mecab, intl ...)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_search_arguments(parser)
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """The hypotheses must not overwrite the test set they are scored against."""
+    if args.output and args.output != "-":
+        out = Path(args.output).resolve()
+        for option, path in (("--input", args.input), ("--ref", args.ref)):
+            if out == Path(path).resolve():
+                raise ConfigError(f"--output {args.output} is the {option} file: write the hypotheses elsewhere")
+
+
 def main(args: argparse.Namespace) -> int:
-    sources, references = read_lines(args.src), read_lines(args.ref)
+    _check_paths(args)
+    sources, references = read_text_lines(args.input), read_text_lines(args.ref)
     if len(sources) != len(references):
-        raise DataError(f"{args.src} has {len(sources)} lines but {args.ref} has {len(references)}")
-    model = load_model_file(args.ckpt)
+        raise DataError(f"{args.input} has {len(sources)} lines but {args.ref} has {len(references)}")
+    if not sources:
+        raise DataError(f"{args.input} and {args.ref} hold no sentences: nothing to score")
+    model, ckpt = open_model(args.ckpt, "evaluate")
     settings = settings_from_args(args, model)
     hypotheses, seconds = translate_text(
-        args.ckpt, model, sources, settings, max_tokens=args.max_tokens, tp=args.tp, quiet=args.quiet, source=args.src
+        ckpt,
+        model,
+        sources,
+        settings,
+        max_tokens=max_tokens_from_args(args, model),
+        tp=args.tp,
+        quiet=args.quiet,
+        source=args.input,
     )
-    if args.out:
-        write_lines(args.out, hypotheses)
+    if args.output:
+        write_lines(args.output, hypotheses)
     try:
         scores = corpus_scores(hypotheses, references, args.tokenize)
     except (KeyError, ValueError) as err:  # sacreBLEU rejects an unknown tokenizer
         raise DataError(f"--tokenize {args.tokenize}: {err}") from None
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "bleu": round(scores.bleu, 4),
-                    "chrf": round(scores.chrf, 4),
-                    "signature": scores.bleu_signature,
-                    "chrf_signature": scores.chrf_signature,
-                    "sentences": len(sources),
-                    "seconds": round(seconds, 3),
-                    "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "use_cache"},
-                }
-            )
-        )
+        result = {
+            "bleu": round(scores.bleu, 4),
+            "signature": scores.bleu_signature,
+            "bleu_lc": round(scores.bleu_lc, 4),
+            "signature_lc": scores.bleu_lc_signature,
+            "chrf": round(scores.chrf, 4),
+            "chrf_signature": scores.chrf_signature,
+            "sentences": len(sources),
+            "seconds": round(seconds, 3),
+            "checkpoint": str(ckpt),
+            "step": model.meta.get("step"),
+            "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "use_cache"},
+        }
+        print(json.dumps(result, allow_nan=False))
     else:
-        print(scores.bleu_text)
+        print(f"{scores.bleu_text}   (cased BLEU)")
+        print(f"{scores.bleu_lc_text}   (lowercased BLEU, as Multi30k papers report)")
         print(scores.chrf_text)
     return 0

@@ -26,21 +26,20 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+from megaformer.cli_args import existing_file, existing_path, finite_float, new_file, nonneg_int, positive_int
 from megaformer.config import ParallelConfig
+from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.decode.beam import Hypothesis, SearchSettings, search
 from megaformer.decode.loading import build_model, check_layout, load_model_file, load_tokenizer
 from megaformer.errors import ConfigError, DataError, MegaformerError
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, ParallelContext
-from megaformer.train.checkpoint import Consolidated
-
-EOS_ID, PAD_ID = 3, 0
-
+from megaformer.train.checkpoint import Consolidated, resolve_checkpoint
 
 # ---- text -----------------------------------------------------------------------------------
 
 
-def read_lines(path: str | Path | None) -> list[str]:
+def read_text_lines(path: str | Path | None) -> list[str]:
     """The lines of a UTF-8 file (stdin for None or "-"), without their line ends; '' stays a line."""
     try:
         if path is None or str(path) == "-":
@@ -119,7 +118,7 @@ def pad_batch(sources: Sequence[Sequence[int]], device: torch.device | str) -> t
     return out.to(device)
 
 
-class Progress:
+class TranslationProgress:
     """Sentences done and sentences/s on stderr, at most once a second, and a last line."""
 
     def __init__(self, total: int, enabled: bool = True) -> None:
@@ -183,7 +182,7 @@ def _rank_main(
     ctx = ParallelContext.initialize(ParallelConfig(tp=tp), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     try:
         model = build_model(load_model_file(ckpt), ctx.tp, ctx.device, source=ckpt)
-        progress = Progress(sum(1 for s in sources if s), enabled=ctx.is_main and not quiet)
+        progress = TranslationProgress(sum(1 for s in sources if s), enabled=ctx.is_main and not quiet)
         hyps = translate_ids(model, sources, settings, max_tokens, progress)
         seconds = progress.close(sum(1 for s in sources if s))
         if ctx.is_main:
@@ -214,7 +213,7 @@ def run_translation(
     if tp == 1:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         net = build_model(model, LOCAL, device, source=str(ckpt))
-        progress = Progress(sum(1 for s in sources if s), enabled=not quiet)
+        progress = TranslationProgress(sum(1 for s in sources if s), enabled=not quiet)
         hyps = translate_ids(net, sources, settings, max_tokens, progress)
         return hyps, progress.close(sum(1 for s in sources if s))
 
@@ -262,19 +261,49 @@ def translate_text(
 def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``translate`` and ``evaluate``; unset ones come from the checkpoint's config."""
     parser.add_argument(
-        "--ckpt", required=True, help="model file, checkpoint step directory, or run directory (its newest checkpoint)"
+        "--ckpt",
+        type=existing_path,
+        required=True,
+        help="model file, checkpoint step directory, or run directory (its newest complete checkpoint)",
     )
-    parser.add_argument("--beam", type=int, help="beam size (default: the checkpoint's decode.beam, the paper's 4)")
-    parser.add_argument("--lenpen", type=float, help="length penalty alpha (default: decode.lenpen, the paper's 0.6)")
     parser.add_argument(
-        "--max-len-a", type=float, help="at most a * source length + b output tokens (default: decode.max_len_a)"
+        "--beam", type=positive_int, help="beam size (default: the checkpoint's decode.beam, the paper's 4)"
     )
-    parser.add_argument("--max-len-b", type=int, help="(default: decode.max_len_b)")
     parser.add_argument(
-        "--max-tokens", type=int, default=4096, help="source tokens per batch, padding included (default 4096)"
+        "--lenpen", type=finite_float(0.0), help="length penalty alpha >= 0 (default: decode.lenpen, the paper's 0.6)"
     )
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel processes to decode with (default 1)")
+    parser.add_argument(
+        "--max-len-a",
+        type=finite_float(0.0),
+        help="at most a * source length + b output tokens (default: decode.max_len_a)",
+    )
+    parser.add_argument("--max-len-b", type=nonneg_int, help="(default: decode.max_len_b)")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        help="source tokens per decoding batch, padding included (default: decode.max_tokens, 4096)",
+    )
+    parser.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel processes to decode with (default 1)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
+    """The model at ``path`` and what was read: the file, or the step directory a run directory resolves to.
+
+    When the newest checkpoint of a run directory is damaged and an older one is used,
+    each skipped checkpoint and the one chosen are announced on stderr (issue 14).
+    """
+    path = Path(path)
+    if path.is_dir():  # resolve_checkpoint says each skipped checkpoint and the older one it uses
+        path = resolve_checkpoint(path, log=lambda message: print(f"megaformer {command}: {message}", file=sys.stderr))
+    return load_model_file(path), path
+
+
+def max_tokens_from_args(args: argparse.Namespace, model: Consolidated) -> int:
+    """``--max-tokens``, else the checkpoint's ``decode.max_tokens``: every search option defaults to decode.*."""
+    return args.max_tokens if args.max_tokens is not None else model.config.decode.max_tokens
 
 
 def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchSettings:
@@ -287,20 +316,20 @@ def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", help="text to translate, one sentence a line (default: stdin)")
-    parser.add_argument("--output", help="where the translations go (default: stdout)")
+    parser.add_argument("--input", type=existing_file, help="text to translate, one sentence a line (default: stdin)")
+    parser.add_argument("--output", type=new_file, help="where the translations go (default: stdout)")
     add_search_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    lines = read_lines(args.input)
-    model = load_model_file(args.ckpt)
+    lines = read_text_lines(args.input)
+    model, ckpt = open_model(args.ckpt, "translate")
     out, _ = translate_text(
-        args.ckpt,
+        ckpt,
         model,
         lines,
         settings_from_args(args, model),
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens_from_args(args, model),
         tp=args.tp,
         quiet=args.quiet,
         source=args.input or "stdin",

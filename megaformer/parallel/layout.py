@@ -58,9 +58,6 @@ class ParallelLayout:
         """Ranks of each data-parallel group: the ranks that hold the same model shard."""
         return [list(range(t, self.world_size, self.tp)) for t in range(self.tp)]
 
-    def validate_model(self, model: ModelConfig) -> None:
-        check_model_split(model, self.tp)
-
 
 def check_model_split(model: ModelConfig, tp: int) -> None:
     """Reject a model shape that cannot be split over ``tp`` ranks, saying what to change."""

@@ -243,7 +243,7 @@ def find_latest(path: str | Path, log: Log) -> Path | None:
             skipped.append(step_dir.name)
             continue
         if skipped:
-            log(f"checkpoint: using the older {step_dir.name}, since {', '.join(skipped)} cannot be used")
+            log(f"checkpoint: using the older checkpoint {step_dir.name}, since {', '.join(skipped)} cannot be used")
         return step_dir
     return None
 

@@ -1,4 +1,9 @@
-"""``megaformer train``, ``megaformer reshard`` and ``megaformer export``."""
+"""``megaformer train`` and ``megaformer export`` (``reshard`` lives in :mod:`megaformer.train.reshard_command`).
+
+``train --resume`` keeps its own name: it is a policy (``auto``: the newest complete
+checkpoint of the run directory, if any; ``none``: start fresh) that may also be a
+checkpoint path, not only the checkpoint that every other command calls ``--ckpt``.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +12,39 @@ import os
 import sys
 from pathlib import Path
 
+from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
 
 
+def resume_policy(text: str) -> str:
+    """``auto``, ``none`` or an existing checkpoint (step directory, checkpoints folder or run directory)."""
+    return text if text in ("auto", "none") else existing_path(text)
+
+
+resume_policy.checked_kind = "path"  # type: ignore[attr-defined]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config, e.g. configs/transformer_big.yaml")
+    p.add_argument("--config", type=existing_file, required=True, help="YAML config, e.g. configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument(
-        "--run-dir", default=None, help="where checkpoints, metrics and logs go (default: runs/<config name>)"
+        "--run-dir",
+        type=new_dir,
+        default=None,
+        help="where checkpoints, metrics and logs go (default: runs/<config name>)",
     )
     p.add_argument(
         "--resume",
+        type=resume_policy,
         default="auto",
         help="auto: newest complete checkpoint in the run dir, if any; none: start fresh; or a checkpoint path",
     )
     p.add_argument(
         "--nproc",
-        type=int,
+        type=nonneg_int,
         default=0,
-        help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed",
+        help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed; 0 = one",
     )
 
 
@@ -46,13 +64,24 @@ def _rank_main(cfg: Config, run_dir: str, resume: str) -> int:
         ctx.destroy()
 
 
+def _check_data(cfg: Config) -> None:
+    """The prepared data must be there before any process starts (read_manifest names what is wrong)."""
+    from megaformer.data.shards import manifest_path, read_manifest
+
+    if not cfg.data.path:
+        raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
+    read_manifest(manifest_path(cfg.data.path))
+
+
 def main(args: argparse.Namespace) -> int:
     from launcher.env import detect
     from launcher.local import free_port, spawn
-    from megaformer.parallel import ParallelLayout
+    from megaformer.parallel import ParallelLayout, check_model_split
 
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
     info = detect()
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
@@ -62,8 +91,9 @@ def main(args: argparse.Namespace) -> int:
     from megaformer.train.engine import check_precision
 
     layout = ParallelLayout.from_config(cfg.parallel, world)  # fail before any process starts
-    layout.validate_model(cfg.model)
+    check_model_split(cfg.model, layout.tp)
     check_precision(cfg.train)
+    _check_data(cfg)
     if info.source == "single" and world > 1:
         return spawn(_rank_main, world, cfg, run_dir, args.resume)
     if info.source == "single":
@@ -71,21 +101,7 @@ def main(args: argparse.Namespace) -> int:
     return _rank_main(cfg, run_dir, args.resume)
 
 
-# ---- reshard / export -------------------------------------------------------------------------
-
-
-def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--in", dest="src", required=True, help="checkpoint step directory or run directory")
-    p.add_argument("--out", required=True, help="output checkpoints folder (or step directory)")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel size of the output")
-
-
-def reshard_main(args: argparse.Namespace) -> int:
-    from megaformer.train.checkpoint import reshard
-
-    out = reshard(Path(args.src), Path(args.out), args.tp, log=lambda m: print(m, file=sys.stderr))
-    print(f"reshard: wrote {out} for tp={args.tp}")
-    return 0
+# ---- export --------------------------------------------------------------------------------
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:

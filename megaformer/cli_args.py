@@ -1,0 +1,153 @@
+"""Typed command-line values: every number and path a sub-command takes is checked as it is parsed.
+
+argparse calls each ``type=`` function on the option's text; an
+:class:`argparse.ArgumentTypeError` becomes ``megaformer CMD: error: argument --x: ...``
+on one line with status 2 (see :class:`megaformer.cli.Parser`), before any file is read
+or any process started. Nothing here touches the file system beyond ``stat``.
+
+Rules (issue 14): a count or size has its range (``positive_int``, ``nonneg_int``,
+``int_range``); a float is finite and in its range (``finite_float``; ``nan`` and
+``inf`` parse as floats in Python, so they are refused explicitly); a path that must
+exist is a file or a directory as stated (``existing_file``, ``existing_dir``); a path
+that will be written is not a directory and its folder exists (``new_file``).
+``tests/test_cli_inputs.py`` walks every sub-parser and fails for an int or float
+option whose type is not one of these.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+Checked = Callable[[str], object]
+
+
+def _tag(fn: Checked, kind: str) -> Checked:
+    """Mark ``fn`` as a checked type (the test that walks the parsers looks for this mark)."""
+    fn.checked_kind = kind  # type: ignore[attr-defined]
+    return fn
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def int_range(lo: int | None = None, hi: int | None = None) -> Checked:
+    """An integer in [lo, hi] (either bound may be None)."""
+
+    def parse(text: str) -> int:
+        value = _parse_int(text)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            if hi is None:
+                raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+            if lo is None:
+                raise argparse.ArgumentTypeError(f"must be at most {hi}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in "invalid <name> value"
+    return _tag(parse, "int")
+
+
+positive_int = int_range(1)
+"""An integer >= 1 (counts, sizes, tensor-parallel degree)."""
+nonneg_int = int_range(0)
+"""An integer >= 0 (seeds, limits where 0 means "off")."""
+
+
+def finite_float(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+) -> Checked:
+    """A finite float in the interval from lo to hi; ``lo_open`` / ``hi_open`` exclude the bound."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        low_bad = lo is not None and (value < lo or (lo_open and value == lo))
+        high_bad = hi is not None and (value > hi or (hi_open and value == hi))
+        if low_bad or high_bad:
+            left = "(" if lo_open else "["
+            right = ")" if hi_open else "]"
+            span = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+            raise argparse.ArgumentTypeError(f"must be in {span}, got {value}")
+        return value
+
+    parse.__name__ = "number"
+    return _tag(parse, "float")
+
+
+def existing_file(text: str) -> str:
+    """A path that is a readable file now ("-" for stdin is accepted)."""
+    if text == "-":
+        return text
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory, expected a file")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path that is a directory now."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a file, expected a directory")
+    return text
+
+
+def existing_path(text: str) -> str:
+    """A file or a directory that exists now (model file, step directory or run directory)."""
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or directory")
+    return text
+
+
+def new_file(text: str) -> str:
+    """A file to write ("-" for stdout): not a directory, and its folder exists and is writable."""
+    if text == "-":
+        return text
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory, expected a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text}: folder {folder} is not writable")
+    return text
+
+
+def new_dir(text: str) -> str:
+    """A directory to create or fill: not an existing file; its parent may be created."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a file, expected a directory")
+    for parent in path.absolute().parents:  # the first existing ancestor must be a directory
+        if parent.exists():
+            if not parent.is_dir():
+                raise argparse.ArgumentTypeError(f"{text}: {parent} is a file, not a directory")
+            break
+    return text
+
+
+for _fn, _kind in (
+    (existing_file, "path"),
+    (existing_dir, "path"),
+    (existing_path, "path"),
+    (new_file, "path"),
+    (new_dir, "path"),
+):
+    _tag(_fn, _kind)

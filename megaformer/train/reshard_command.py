@@ -1,0 +1,70 @@
+"""``megaformer reshard``: rewrite a training checkpoint for another tensor-parallel size.
+
+Nothing is destroyed (issue 14): the new step directory is written into a hidden
+temporary folder beside its destination and renamed into place only when complete.
+The destination must not exist yet, so the command never replaces a checkpoint, least
+of all its own input (``--ckpt RUN/checkpoints/step-N --out RUN/checkpoints`` names
+the input itself and is refused before anything is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from megaformer.cli_args import existing_path, new_dir, positive_int
+from megaformer.errors import CheckpointError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ckpt", type=existing_path, required=True, help="checkpoint step directory or run directory (its newest)"
+    )
+    p.add_argument(
+        "--out", type=new_dir, required=True, help="checkpoints folder to write into, or a new step-N directory"
+    )
+    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size of the output (>= 1)")
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def target_of(step_dir: Path, out: Path) -> Path:
+    """Where the resharded copy of ``step_dir`` goes; refuses anything that would replace or nest in a checkpoint."""
+    from megaformer.train.checkpoint import STEP_DIR
+
+    target = out if STEP_DIR.match(out.name) else out / step_dir.name
+    here, there = step_dir.resolve(), target.resolve()
+    if there == here:
+        raise CheckpointError(
+            f"--out {out}: would replace the input checkpoint {step_dir}; write to another folder, "
+            f"e.g. --out {step_dir.parent.parent / 'resharded'}"
+        )
+    if here in there.parents:
+        raise CheckpointError(f"--out {out}: is inside the input checkpoint {step_dir}; write to another folder")
+    if there.exists() or target.is_symlink():
+        raise CheckpointError(f"--out {out}: {target} already exists; reshard does not replace checkpoints")
+    return target
+
+
+def main(args: argparse.Namespace) -> int:
+    from megaformer.train.checkpoint import atomic_write_text, list_checkpoints, reshard, resolve_checkpoint
+
+    step_dir = resolve_checkpoint(Path(args.ckpt), log=_stderr)  # an older one is announced on stderr
+    target = target_of(step_dir, Path(args.out))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.reshard-", dir=target.parent))
+    try:
+        written = reshard(step_dir, work / step_dir.name, args.tp, log=_stderr)
+        os.rename(written, target)  # the target did not exist: nothing is replaced
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if list_checkpoints(target.parent)[0] == target:  # `latest` names the newest step of its folder
+        atomic_write_text(target.parent / "latest", target.name + "\n")
+    print(f"reshard: wrote {target} from {step_dir} for tp={args.tp}")
+    return 0
