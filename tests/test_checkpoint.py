@@ -114,10 +114,10 @@ def _reader_args(command: str, step_dir, data_dir, tmp_path) -> list:
     src = data_dir / "test.src"
     return {
         "translate": ["translate", "--ckpt", step_dir, "--input", src, "--quiet"],
-        "evaluate": ["evaluate", "--ckpt", step_dir, "--src", src, "--ref", src, "--quiet"],
+        "evaluate": ["evaluate", "--ckpt", step_dir, "--input", src, "--ref", src, "--quiet"],
         "export": ["export", "--ckpt", step_dir, "--out", tmp_path / "exported.pt"],
-        "average": ["average", "--ckpts", step_dir, step_dir, "--out", tmp_path / "avg.pt"],
-        "reshard": ["reshard", "--in", step_dir, "--out", tmp_path / "resharded", "--tp", "2"],
+        "average": ["average", "--ckpt", step_dir, step_dir, "--out", tmp_path / "avg.pt"],
+        "reshard": ["reshard", "--ckpt", step_dir, "--out", tmp_path / "resharded", "--tp", "2"],
     }[command]
 
 
