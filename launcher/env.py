@@ -90,8 +90,11 @@ def detect(env: dict | None = None) -> RankInfo:
             _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + job % 20000,
             "slurm",
         )
-    else:
-        return RankInfo(0, 0, 1, "127.0.0.1", 29500, "single")
+    else:  # one process: a free port, so that two single-process runs on a machine do not collide
+        from launcher.local import free_port
+
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else free_port()
+        return RankInfo(0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
     if not 0 <= info.rank < info.world_size or not 0 <= info.local_rank < info.world_size:
         raise ConfigError(
             f"{info.source}: rank {info.rank} / local rank {info.local_rank} outside world size {info.world_size}"

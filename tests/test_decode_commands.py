@@ -147,16 +147,16 @@ def _training_run(folder, models: dict[int, Consolidated], tokenizer) -> None:
     """A run directory as the trainer writes it: one step directory per model, TP=1."""
     from megaformer.config import to_dict
     from megaformer.parallel import ParallelContext
-    from megaformer.train.checkpoint import save_checkpoint
+    from megaformer.train.checkpoint import CheckpointState, save_checkpoint
 
     for step, m in models.items():
         save_checkpoint(
             folder / "checkpoints",
             step,
             ParallelContext.single(),
-            {"param": m.model},
-            {},
-            {},
+            CheckpointState(
+                shard={"param": m.model}, run={"engine": {}, "trainer": {"tokens": 0}}, replica={}, rank={}
+            ),
             {"config": to_dict(m.config), "vocab_size": m.vocab_size, "tokens": 0},
             keep_last=10,
             tokenizer=tokenizer,
