@@ -71,82 +71,85 @@ def _reduce_scatter(x: torch.Tensor, dim: int, tp: TPGroup) -> torch.Tensor:
 # ---- conjugate pairs -------------------------------------------------------------------
 
 
+# autograd Functions call their context ``saved``: in this code base ``ctx`` names only the parallel context.
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        saved.tp = tp
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad.contiguous().clone(), ctx.tp), None
+    def backward(saved, grad: torch.Tensor):
+        return _all_reduce(grad.contiguous().clone(), saved.tp), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
         return _all_reduce(x.contiguous().clone(), tp)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(saved, grad: torch.Tensor):
         return grad, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        saved.tp = tp
         return _split(x, -1, tp)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, -1 % grad.dim(), ctx.tp), None
+    def backward(saved, grad: torch.Tensor):
+        return _gather(grad, -1 % grad.dim(), saved.tp), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        saved.tp = tp
         return _gather(x, x.dim() - 1, tp)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split(grad, -1, ctx.tp), None
+    def backward(saved, grad: torch.Tensor):
+        return _split(grad, -1, saved.tp), None
 
 
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        saved.tp = tp
         return _split(x, SEQ_DIM, tp)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, SEQ_DIM, ctx.tp), None
+    def backward(saved, grad: torch.Tensor):
+        return _gather(grad, SEQ_DIM, saved.tp), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        saved.tp = tp
         return _gather(x, SEQ_DIM, tp)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(saved, grad: torch.Tensor):
         # The gathered tensor feeds column-parallel layers, whose input gradients are
         # partial sums over the TP group: reduce them and keep this rank's part.
-        return _reduce_scatter(grad, SEQ_DIM, ctx.tp), None
+        return _reduce_scatter(grad, SEQ_DIM, saved.tp), None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-        ctx.tp = tp
+    def forward(saved, x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+        saved.tp = tp
         return _reduce_scatter(x, SEQ_DIM, tp)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, SEQ_DIM, ctx.tp), None
+    def backward(saved, grad: torch.Tensor):
+        return _gather(grad, SEQ_DIM, saved.tp), None
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -27,11 +27,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     # written once into the buffer that becomes the softmax and then the gradient.
 
     @staticmethod
-    def forward(ctx, logits, target, tp: TPGroup, vocab_size: int, smoothing: float, ignore_index: int):
+    def forward(saved, logits, target, tp: TPGroup, vocab_size: int, smoothing: float, ignore_index: int):
         local = logits.shape[-1]
         start = tp.rank * local
         real_cols = max(0, min(local, vocab_size - start))  # this rank's real vocabulary rows, a prefix
-        ctx.dtype = logits.dtype
+        saved.dtype = logits.dtype
         logits = logits.float()
         z = logits[:, :real_cols]  # (N, real_cols) view
 
@@ -60,24 +60,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = loss.masked_fill(~keep, 0.0)
 
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, this rank's slice
-        ctx.save_for_backward(exp, local_t, in_range, keep)
-        ctx.smoothing, ctx.vocab_size, ctx.real_cols = smoothing, vocab_size, real_cols
+        saved.save_for_backward(exp, local_t, in_range, keep)
+        saved.smoothing, saved.vocab_size, saved.real_cols = smoothing, vocab_size, real_cols
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, in_range, keep = ctx.saved_tensors
-        eps = ctx.smoothing
+    def backward(saved, grad_loss):
+        softmax, local_t, in_range, keep = saved.saved_tensors
+        eps = saved.smoothing
         g = (grad_loss * keep).unsqueeze(-1)  # (N, 1)
         grad = softmax  # reused in place: backward runs once; padded columns stay 0
-        real = grad[:, : ctx.real_cols]
+        real = grad[:, : saved.real_cols]
         if eps > 0:
             # (softmax - eps / V) * g over the real columns in one pass
-            torch.addcmul(g * (-eps / ctx.vocab_size), real, g, out=real)
+            torch.addcmul(g * (-eps / saved.vocab_size), real, g, out=real)
         else:
             real.mul_(g)
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * in_range.unsqueeze(-1) * g)
-        return grad.to(ctx.dtype), None, None, None, None, None
+        return grad.to(saved.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
