@@ -222,7 +222,7 @@ def test_resume_at_smaller_dp(corpus, dp2_run, tmp_path):
 
 
 def test_reshard_and_export_commands(tp2_run, tmp_path):
-    from megaformer.train.checkpoint import consolidate, load_consolidated, read_meta
+    from megaformer.train.checkpoint import check_complete, consolidate, load_consolidated
 
     out = tmp_path / "tp4"
     proc = subprocess.run(
@@ -234,7 +234,7 @@ def test_reshard_and_export_commands(tp2_run, tmp_path):
     )
     ok(proc)
     step_dir = out / "step-00000030"
-    meta = read_meta(step_dir)
+    meta = check_complete(step_dir)
     assert meta["layout"]["tp"] == 4 and len([f for f in meta["files"] if f.startswith("model-")]) == 4
     model_file = tmp_path / "model.pt"
     proc = subprocess.run(
