@@ -99,11 +99,10 @@ def test_layout_estimate_counts_bytes_independently():
 
 def test_big_preset_default_is_the_estimate_fastest_for_the_slurm_script():
     """configs/transformer_big.yaml's tp is the fastest estimated layout for 4 nodes x 8 GPUs; TP=8 one override."""
-    from megaformer.info import compare_layouts
+    from megaformer.info import compare_layouts, fastest
 
     cfg = load_config(ROOT / "configs" / "transformer_big.yaml", ["data.vocab_size=37000"])
-    rows = compare_layouts(cfg, 32)
-    best = min(rows, key=lambda r: (round(r["step_s"], 3), -r["max_tokens_per_micro_batch"]))
+    best = fastest(compare_layouts(cfg, 32))
     assert cfg.parallel.tp == best["tp"] and cfg.parallel.dp == 0 and cfg.train.zero_stage == 1
     assert load_config(ROOT / "configs" / "transformer_big.yaml", ["parallel.tp=8"]).parallel.tp == 8
 
