@@ -16,7 +16,7 @@ from megaformer.train.metrics import device_peak_flops, gpu_peak_tflops
     [
         ("NVIDIA H200", "bf16", 989.0),  # the issue's figure
         ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
-        ("NVIDIA H100 80GB HBM3", "fp32", 494.0),  # TF32, not bf16 / 2
+        ("NVIDIA H100 80GB HBM3", "fp32", 494.0),  # TF32 (configure_math); 67 without it
         ("NVIDIA H100 PCIe", "bf16", 756.0),
         ("NVIDIA H200 NVL", "fp16", 835.0),
         ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),  # not A10's 125

@@ -39,8 +39,9 @@ GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
 def gpu_peak_tflops(name: str, precision: str, tf32: bool = True) -> float:
     """Dense peak TFLOP/s of the GPU called ``name`` for ``precision``; nan if unknown.
 
-    fp32 training counts the TF32 tensor-core peak when ``tf32`` (matmuls allowed to run
-    in TF32), else the CUDA-core fp32 peak; not half the bf16 peak, which H100/H200 exceed.
+    fp32 training counts the TF32 tensor-core peak when ``tf32`` (matmuls allowed to run in
+    TF32, :func:`megaformer.train.device.configure_math`), else the CUDA-core fp32 peak: 67
+    TFLOP/s on an H100/H200, not bf16 / 2 = 494, which only TF32 reaches.
     """
     kind = "tf32" if precision == "fp32" and tf32 else precision
     for key, peaks in GPU_PEAK_TFLOPS.items():
