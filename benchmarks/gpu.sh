@@ -42,9 +42,11 @@ if [ "$DRY" = 1 ]; then
     STEPS=20 SAVE=10 KILL_AT=12 TP_STEPS=5 CPU_STEPS=12 CPU_SAVE=6 BIG_STEPS=2 TEST_LINES=20
     BIG_SIZE=(--set model.encoder_layers=1 --set model.decoder_layers=1 --set train.tokens_per_step=1024
         --set data.max_tokens=512 --set train.log_interval=1)
+    SMALL=(--set train.tokens_per_step=256 --set data.max_tokens=256)  # tiny's steps, 8x smaller
 else
     STEPS=200 SAVE=100 KILL_AT=120 TP_STEPS=50 CPU_STEPS=60 CPU_SAVE=30 BIG_STEPS=30 TEST_LINES=0
     BIG_SIZE=(--set train.log_interval=10)
+    SMALL=()
 fi
 if [ "$DEVICE" = cpu ]; then
     export CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu
@@ -97,7 +99,7 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cud
 fi
 DATA=$WORK/data
 [ -f "$DATA/manifest.json" ] || mf prepare --synthetic 4000 --out "$DATA" --quiet || exit 1
-TINY=(--config configs/tiny.yaml --set "data.path=$DATA" --set train.log_interval=1 --set train.eval_interval=0)
+TINY=(--config configs/tiny.yaml --set "data.path=$DATA" --set train.log_interval=1 --set train.eval_interval=0 "${SMALL[@]}")
 
 # ---- a. kill -9 and resume, nccl on one GPU -----------------------------------------------------
 for variant in "bf16 1" "fp16 2"; do
@@ -115,7 +117,9 @@ for variant in "bf16 1" "fp16 2"; do
     wait "$pid" 2>/dev/null
     mf train "${sets[@]}" --run-dir "$WORK/$name" --resume auto >>"$WORK/$name.log" 2>&1
     resumed=$?
-    if [ "$ref" != 0 ] || [ "$resumed" != 0 ]; then
+    if [ "$killed_at" -lt "$KILL_AT" ] || [ "$killed_at" -ge "$STEPS" ]; then
+        result FAIL "a $precision ZeRO-$zero: the run was at step $killed_at when killed, not between $KILL_AT and $STEPS"
+    elif [ "$ref" != 0 ] || [ "$resumed" != 0 ]; then
         result FAIL "a $precision ZeRO-$zero: train exited $ref (uninterrupted) / $resumed (resumed), see $WORK/$name*.log"
     elif line=$(compare "$WORK/$name" "$WORK/$name-ref" $((SAVE + 1)) "$STEPS" "$RESUME_TOL"); then
         result PASS "a $precision ZeRO-$zero $BACKEND: killed -9 at step $killed_at, resumed from $SAVE: $line"
