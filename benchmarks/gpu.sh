@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU acceptance run: the real `megaformer prepare/train/parity/translate/evaluate`
-# commands on one CUDA GPU (about 6 minutes on an H200, at most 8), one summary line per check.
+# commands on one CUDA GPU (budget 8 minutes on an H200; not yet timed on one), one summary line per check.
 #
 #   benchmarks/gpu.sh                      on a machine with a CUDA GPU (nccl, torch with CUDA)
 #   DEVICE=cpu benchmarks/gpu.sh --dry     every step for a few steps on the CPU (gloo), to check the script
