@@ -26,6 +26,7 @@ from megaformer.config import load_config  # noqa: E402
 from megaformer.info import model_info  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
 from megaformer.parallel import LOCAL, DropoutRNG  # noqa: E402
+from megaformer.train.device import configure_math  # noqa: E402
 from megaformer.train.metrics import device_peak_flops  # noqa: E402
 
 
@@ -45,8 +46,7 @@ def main() -> int:
 
     cfg = load_config(args.config, args.overrides + ["parallel.tp=1", "data.vocab_size=37000"])
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
+    configure_math(device, args.dtype)  # TF32 for fp32 on a GPU, as in training
     model = Transformer(cfg.model, cfg.data.vocab_size, LOCAL, DropoutRNG(1, LOCAL, device=device), seed=1).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda")
     batch = max(1, args.tokens // args.len)

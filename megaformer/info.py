@@ -1,20 +1,26 @@
-"""``megaformer info``: parameters, FLOPs per target token and memory per rank of a config.
+"""``megaformer info``: parameters, FLOPs, memory, the optimizer step and the cost of a layout.
 
 Counts come from the model itself, built on the ``meta`` device (no memory, no
 initialisation), at TP=1 and at the configured TP size; the vocabulary padding rows
-are reported apart and excluded from ``parameters``.
+are reported apart and excluded from ``parameters``. The step (micro-batches and their
+size) is :func:`megaformer.train.batching.plan_step` for the layout given; the layout
+estimate (compute vs TP and DP communication per step) is :mod:`megaformer.layout_cost`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
 
 from megaformer.cli_args import existing_file
 from megaformer.config import Config, load_config
+from megaformer.errors import ConfigError
+from megaformer.layout_cost import Hardware, step_cost
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, padded_vocab_size
+from megaformer.train.batching import plan_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -86,6 +92,52 @@ def model_info(cfg: Config) -> dict:
     }
 
 
+def step_info(cfg: Config, dp: int) -> dict:
+    """The optimizer step of a fresh run at ``dp`` DP ranks (one data stream each); ConfigError if refused."""
+    plan = plan_step(cfg.train.tokens_per_step, dp, cfg.data.max_tokens, cfg.data.max_len + 1)
+    return {
+        "micro_batches_per_step": plan.micro_batches_per_rank(dp),
+        "max_tokens_per_micro_batch": plan.max_tokens_per_micro_batch,
+        "tokens_per_step": plan.tokens_per_step,
+    }
+
+
+def compare_layouts(cfg: Config, world: int, hw: Hardware = Hardware()) -> list[dict]:
+    """The step estimate of every TP size that fits one node and divides heads, d_ff and ``world``."""
+    out = []
+    for tp in range(1, hw.gpus_per_node + 1):
+        m = cfg.model
+        if world % tp or m.num_heads % tp or m.d_ff % tp:
+            continue
+        alt = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=world // tp))
+        info = model_info(alt)
+        row = step_cost(
+            m, info["parameters"], info["parameters_per_rank"], cfg.train.tokens_per_step, tp, world // tp,
+            cfg.train.precision, hw,
+        )  # fmt: skip
+        row["memory_per_rank_bytes"] = info["memory_per_rank_bytes"]["total"]
+        try:
+            row.update(step_info(alt, world // tp))
+        except ConfigError as err:
+            row["refused"] = str(err)
+        out.append(row)
+    return out
+
+
+def fastest(estimates: list[dict], within: float = 0.02) -> dict | None:
+    """The layout with the shortest estimated step; within 2 % of it, the one with larger micro-batches.
+
+    The estimate ignores GEMM efficiency, which falls with smaller micro-batches: a tie
+    goes to the layout whose GPUs see more tokens at once.
+    """
+    rows = [r for r in estimates if "refused" not in r]
+    if not rows:
+        return None
+    shortest = min(r["step_s"] for r in rows)
+    close = [r for r in rows if r["step_s"] <= shortest * (1 + within)]
+    return max(close, key=lambda r: (r["max_tokens_per_micro_batch"] * r["micro_batches_per_step"], -r["step_s"]))
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -94,11 +146,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=existing_file, required=True, help="YAML config, e.g. configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--world", type=int, default=0, help="GPUs the layouts are compared for (default: tp x dp, or 32 if dp=0)"
+    )
+    p.add_argument("--gpus-per-node", type=int, default=Hardware.gpus_per_node)
+    p.add_argument("--nvlink-gbs", type=float, default=Hardware.nvlink_gbs, help="all-reduce GB/s inside a node")
+    p.add_argument("--nic-gbs", type=float, default=Hardware.nic_gbs, help="inter-node GB/s per GPU")
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     info = model_info(cfg)
+    dp = info["layout"]["dp"]
+    info.update(step_info(cfg, dp))
+    hw = Hardware(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, nic_gbs=args.nic_gbs)
+    world = args.world or (cfg.parallel.tp * cfg.parallel.dp if cfg.parallel.dp else 32)
+    info["layouts"] = {"world": world, "hardware": dataclasses.asdict(hw), "estimates": compare_layouts(cfg, world, hw)}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -116,4 +179,31 @@ def main(args: argparse.Namespace) -> int:
         f"optimizer {_gib(mem['optimizer'])} (ZeRO-{lay['zero_stage']} over dp={lay['dp']}), "
         f"activations ~{_gib(mem['activations'])} ({cfg.data.max_tokens} tokens x max_len {cfg.data.max_len}, estimate)"
     )
+    print(
+        f"optimizer step    {info['micro_batches_per_step']} micro-batches of <= {info['max_tokens_per_micro_batch']} "
+        f"tokens per DP rank, {info['tokens_per_step']:,} tokens per step at dp={dp} "
+        f"(train.tokens_per_step={cfg.train.tokens_per_step})"
+    )
+    _print_layouts(info["layouts"], cfg)
     return 0
+
+
+def _print_layouts(layouts: dict, cfg: Config) -> None:
+    hw = layouts["hardware"]
+    print(
+        f"\nlayouts for {layouts['world']} GPUs ({hw['gpus_per_node']} per node; compute at {hw['efficiency']:.0%} of "
+        f"{hw['peak_tflops']:.0f} TFLOP/s, TP and intra-node DP at {hw['nvlink_gbs']:.0f} GB/s, inter-node DP at "
+        f"{hw['nic_gbs']:.0f} GB/s per GPU; megaformer/layout_cost.py states the model):"
+    )
+    print(f"{'tp':>3} {'dp':>4} {'compute':>9} {'TP bytes':>10} {'TP':>8} {'DP NVLink':>10} {'DP NIC':>9} {'DP':>8}"
+          f" {'step':>8} {'micro-batch':>12} {'memory':>10}")  # fmt: skip
+    best = fastest(layouts["estimates"])
+    for r in layouts["estimates"]:
+        ms = "{:7.1f}ms".format
+        micro = "refused" if "refused" in r else f"{r['micro_batches_per_step']} x {r['max_tokens_per_micro_batch']}"
+        mark = " <- fastest" if r is best else (" <- configured" if r["tp"] == cfg.parallel.tp else "")
+        print(
+            f"{r['tp']:>3} {r['dp']:>4} {ms(1e3 * r['compute_s'])} {r['tp_bytes'] / 1e9:8.2f}GB {ms(1e3 * r['tp_s'])} "
+            f"{r['dp_nvlink_bytes'] / 1e9:8.2f}GB {r['dp_nic_bytes'] / 1e9:7.2f}GB {ms(1e3 * r['dp_s'])} "
+            f"{ms(1e3 * r['step_s'])} {micro:>12} {_gib(r['memory_per_rank_bytes']):>10}{mark}"
+        )

@@ -40,7 +40,13 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def run(monkeypatch, capsys):
-    """megaformer.cli.main as a user calls it; returns (status, stdout, stderr)."""
+    """megaformer.cli.main as a user calls it; returns (status, stdout, stderr).
+
+    On the CPU, also where CUDA is visible: ``translate --tp`` has no backend option and
+    picks nccl with CUDA, and TP=1 must decode on the device the TP=2 ranks use.
+    """
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the ranks translate --tp starts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     def call(*argv, stdin: str | None = None):
         if stdin is not None:

@@ -31,7 +31,7 @@ def _sources(vocab: int) -> torch.Tensor:
 
 
 def _worker(states: dict) -> int:
-    ctx = ParallelContext.initialize(ParallelConfig(tp=2), int(os.environ["RANK"]), 2)
+    ctx = ParallelContext.initialize(ParallelConfig(tp=2, backend="gloo"), int(os.environ["RANK"]), 2)
     try:
         for vocab, path in states.items():
             state = torch.load(path)

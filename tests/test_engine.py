@@ -87,7 +87,14 @@ def _accumulation_worker(zero_stage: int) -> int:
     # micro-batches or one double batch) decides its update. The accumulation is what is
     # tested here; the gradients themselves are compared at eps's default below.
     cfg = load_config(
-        TINY, ["model.dropout=0", f"train.zero_stage={zero_stage}", "train.warmup_steps=4", "train.adam_eps=1e-3"]
+        TINY,
+        [
+            "parallel.backend=gloo",
+            "model.dropout=0",
+            f"train.zero_stage={zero_stage}",
+            "train.warmup_steps=4",
+            "train.adam_eps=1e-3",
+        ],
     )
     ctx = ParallelContext.initialize(cfg.parallel, 0, 1, single_process_group=True)
     micro = _batches(cfg)
@@ -153,7 +160,9 @@ def _checkpointing_worker() -> int:
     from megaformer.parallel import DropoutRNG, ParallelContext
     from megaformer.parity import random_batch
 
-    cfg = load_config(TINY, ["parallel.tp=2", "model.attention_dropout=0.1", "model.activation_dropout=0.1"])
+    cfg = load_config(
+        TINY, ["parallel.tp=2", "parallel.backend=gloo", "model.attention_dropout=0.1", "model.activation_dropout=0.1"]
+    )
     ctx = ParallelContext.initialize(cfg.parallel, int(os.environ["RANK"]), 2)
     src, tgt_in, tgt_out = random_batch(cfg.data.vocab_size, 4, 12, 10, seed=3)
     grads, reference_state = [], None

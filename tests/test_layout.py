@@ -37,8 +37,8 @@ def test_model_split_errors(model, tp, words):
 @pytest.mark.parametrize(
     "cfg, world, words",
     [
-        (ParallelConfig(tp=2, dp=3), 4, ["2 x 3 = 6", "world size is 4", "parallel.dp=2"]),
-        (ParallelConfig(tp=3), 4, ["parallel.tp=3", "world size 4"]),
+        (ParallelConfig(tp=2, dp=3, backend="gloo"), 4, ["2 x 3 = 6", "world size is 4", "parallel.dp=2"]),
+        (ParallelConfig(tp=3, backend="gloo"), 4, ["parallel.tp=3", "world size 4"]),
     ],
 )
 def test_world_size_errors_before_any_group(cfg, world, words):
@@ -58,7 +58,8 @@ def test_vocab_padding():
 
 def test_parity_command_rejects_bad_layout_before_starting_processes():
     proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "parity", "--config", "configs/tiny.yaml", "--tp", "3"],
+        [sys.executable, "-m", "megaformer.cli", "parity", "--config", "configs/tiny.yaml", "--tp", "3"]
+        + ["--set", "parallel.backend=gloo"],
         capture_output=True,
         text=True,
         timeout=120,

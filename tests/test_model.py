@@ -179,3 +179,33 @@ def test_sequence_longer_than_positions_is_a_clear_error():
     src = torch.randint(4, VOCAB, (1, 70))
     with pytest.raises(ValueError, match="max_positions=64"):
         model.encode(src)
+
+
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.2])
+def test_unpadded_source_gives_the_output_of_no_mask(attention_dropout, monkeypatch):
+    """The source mask is passed also when nothing is padded (no host sync); results stay bitwise equal."""
+    cfg = ModelConfig(**{**CFG.__dict__, "attention_dropout": attention_dropout})
+    src, tgt = batch()
+    src = src[:1, :6]  # row 0 of length 6 has no padding
+    tgt_in = torch.cat([torch.full((1, 1), 2), tgt[:1, :-1]], 1)
+    with_mask = make(cfg)(src, tgt_in)
+    monkeypatch.setattr(Transformer, "source_mask", lambda self, s: None)  # what the model did before
+    without = make(cfg)(src, tgt_in)
+    assert torch.equal(with_mask, without)
+
+
+def test_training_forward_reads_nothing_on_the_host(monkeypatch):
+    """A micro-batch's forward and loss never wait for the device: no tensor is read as a Python value."""
+    model = make(ModelConfig(**{**CFG.__dict__, "dropout": 0.1, "attention_dropout": 0.1}))
+    src, tgt = batch()
+    tgt_in = torch.cat([torch.full((3, 1), 2), tgt[:, :-1]], 1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read on the host (a GPU would synchronise here)")
+
+    for name in ("__bool__", "__int__", "__float__", "__index__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    loss, count = model.loss(src, tgt_in, tgt, 0.1)
+    loss.backward()
+    monkeypatch.undo()
+    assert int(count) == int(tgt.ne(0).sum())

@@ -165,7 +165,7 @@ def check_loss(tp: TPGroup, smoothing: float) -> None:
 def _worker(tp_size: int) -> int:
     import os
 
-    ctx = ParallelContext.initialize(ParallelConfig(tp=tp_size), int(os.environ["RANK"]), tp_size)
+    ctx = ParallelContext.initialize(ParallelConfig(tp=tp_size, backend="gloo"), int(os.environ["RANK"]), tp_size)
     tp = ctx.tp
     for sp in (False, True):
         for partitions in (1, 3):

@@ -38,7 +38,7 @@ def _parity_worker(tp: int) -> int:
     failures = []
     ctx = None
     for name, overrides in VARIANTS.items():
-        cfg = load_config(TINY, overrides + [f"parallel.tp={tp}"])
+        cfg = load_config(TINY, overrides + [f"parallel.tp={tp}", "parallel.backend=gloo"])
         assert cfg.model.dropout > 0
         if ctx is None:
             ctx = ParallelContext.initialize(cfg.parallel, int(os.environ["RANK"]), tp)
@@ -62,7 +62,9 @@ def test_model_parity_with_dropout(tp):
 
 def _fast_rng_worker() -> int:
     """With per-rank masks on split tensors the TP=2 run is *not* TP=1's: the check must notice."""
-    cfg = load_config(TINY, ["parallel.tp=2", "parallel.dropout_rng=fast", "model.activation_dropout=0.3"])
+    cfg = load_config(
+        TINY, ["parallel.tp=2", "parallel.backend=gloo", "parallel.dropout_rng=fast", "model.activation_dropout=0.3"]
+    )
     ctx = ParallelContext.initialize(cfg.parallel, int(os.environ["RANK"]), 2)
     report = check_parity(cfg, ctx)
     ctx.destroy()
@@ -111,7 +113,9 @@ class _CountingCollectives:
 
 
 def _count_worker() -> int:
-    cfg = load_config(TINY, ["parallel.tp=2", "model.encoder_layers=3", "model.decoder_layers=2"])
+    cfg = load_config(
+        TINY, ["parallel.tp=2", "parallel.backend=gloo", "model.encoder_layers=3", "model.decoder_layers=2"]
+    )
     ctx = ParallelContext.initialize(cfg.parallel, int(os.environ["RANK"]), 2)
     from megaformer.model import Transformer
     from megaformer.parallel import DropoutRNG
@@ -148,6 +152,7 @@ def test_collectives_per_layer():
 @pytest.mark.parametrize("model", ["tiny", "12-heads"])
 def test_parity_command(tp, model):
     args = [sys.executable, "-m", "megaformer.cli", "parity", "--config", str(TINY), "--tp", str(tp)]
+    args += ["--set", "parallel.backend=gloo"]
     if model == "12-heads":
         args += [a for o in WIDE for a in ("--set", o)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)

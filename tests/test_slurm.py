@@ -68,6 +68,7 @@ def test_launch_under_fake_slurm(tmp_path):
         "SLURM_JOB_NODELIST": "localhost",
         "SLURM_SUBMIT_DIR": str(submit),
         "SLURM_CPUS_PER_TASK": "1",
+        "DS_ACCELERATOR": "cpu",  # CPU tensors, also where CUDA is visible
         "FAKE_SCONTROL_LOG": str(tmp_path / "scontrol.log"),
     }
     proc = subprocess.run(
@@ -76,6 +77,8 @@ def test_launch_under_fake_slurm(tmp_path):
             str(ROOT / "slurm" / "train_base.sh"),
             "--set",
             f"data.path={corpus}",
+            "--set",
+            "parallel.backend=gloo",
             "--set",
             "train.max_steps=1",
             "--set",

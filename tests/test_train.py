@@ -83,6 +83,8 @@ def train(
         str(nproc),
         "--resume",
         resume,
+        "--set",
+        "parallel.backend=gloo",  # CPU tensors through gloo, also where CUDA is visible
     ]
     for s in sets:
         args += ["--set", s]
@@ -377,6 +379,8 @@ def test_mixed_precision_needs_zero(tmp_path):
             str(TINY),
             "--run-dir",
             str(tmp_path),
+            "--set",
+            "parallel.backend=gloo",
             "--set",
             "train.precision=bf16",
             "--set",

@@ -93,11 +93,20 @@ class Batch:
             ids=None if self.ids is None else fn(self.ids),
         )
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> Batch:
+        """The batch on ``device``; by default the copy does not block when the batch is pinned.
+
+        A pinned batch (:meth:`pin_memory`, or a stream made with ``pin_memory=True``) is
+        copied to a GPU asynchronously: the host goes on (collating the next batch) while
+        the copy runs, and the GPU orders it before the kernels that read it. Pinned host
+        memory is only reused once the copy is done (torch's caching host allocator).
+        """
+        if non_blocking is None:
+            non_blocking = torch.device(device).type == "cuda" and self.src.is_pinned()
         return self._apply(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Batch:
-        """Called by a DataLoader with ``pin_memory=True``."""
+        """The batch in page-locked host memory, from which a GPU copies without a staging copy."""
         return self._apply(torch.Tensor.pin_memory)
 
 
@@ -389,6 +398,7 @@ class TokenBatchStream:
         repeat: bool = True,
         epoch: int = 0,
         spm: str | Path | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -408,6 +418,7 @@ class TokenBatchStream:
             )
         self.split, self.dp_rank, self.num_workers, self.repeat = split, dp_rank, num_workers, repeat
         self.special_ids = (pad_id, bos_id, eos_id)
+        self.pin_memory = pin_memory  # batches in page-locked memory, for asynchronous copies to a GPU
         self.settings = PlanSettings(dp_size, max_tokens, max_len, shuffle_buffer, sort_buffer, seed, shuffle)
         self._check_lengths()
         self._epoch, self._batches = epoch, 0
@@ -416,13 +427,26 @@ class TokenBatchStream:
 
     @classmethod
     def from_config(
-        cls, data: DataConfig, split: str, *, dp_rank: int, dp_size: int, shuffle: bool = True, repeat: bool = True
+        cls,
+        data: DataConfig,
+        split: str,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        shuffle: bool = True,
+        repeat: bool = True,
+        max_tokens: int = 0,
+        pin_memory: bool = False,
     ) -> TokenBatchStream:
-        """The stream of ``split`` of the prepared directory ``data.path``, with the sizes of ``data``."""
+        """The stream of ``split`` of the prepared directory ``data.path``, with the sizes of ``data``.
+
+        ``max_tokens``: the micro-batch size when not ``data.max_tokens`` (the step plan of
+        :func:`megaformer.train.batching.plan_step` may lower it); ``pin_memory``: on a GPU run.
+        """
         return cls(
-            data.path, split, dp_rank=dp_rank, dp_size=dp_size, max_tokens=data.max_tokens,
+            data.path, split, dp_rank=dp_rank, dp_size=dp_size, max_tokens=max_tokens or data.max_tokens,
             num_workers=data.num_workers, shuffle_buffer=data.shuffle_buffer, sort_buffer=data.sort_buffer,
-            seed=data.seed, max_len=data.max_len, shuffle=shuffle, repeat=repeat,
+            seed=data.seed, max_len=data.max_len, shuffle=shuffle, repeat=repeat, pin_memory=pin_memory,
         )  # fmt: skip
 
     def _check_lengths(self) -> None:
@@ -511,6 +535,8 @@ class TokenBatchStream:
                 have[item.ids] = True
                 store.update((i, (src, tgt)) for i, src, tgt in item.unpack())
             batch = collate([store.pop(int(j)) for j in ids], ids, *self.special_ids)
+            if self.pin_memory:
+                batch = batch.pin_memory()
             # Counted before the caller sees the batch: a checkpoint taken now resumes after it.
             if index + 1 == len(plan.batches):
                 self._next_epoch()

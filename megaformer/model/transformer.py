@@ -110,12 +110,16 @@ class Transformer(nn.Module):
             return checkpoint_with_rng(layer, self.rng, *args)
         return layer(*args)
 
-    def source_mask(self, src: torch.Tensor) -> torch.Tensor | None:
-        """(batch, 1, 1, src_len) True where a key is a real token; None if nothing is padded."""
-        pad = src.eq(self.pad_id)
-        return None if not bool(pad.any()) else ~pad[:, None, None, :]
+    def source_mask(self, src: torch.Tensor) -> torch.Tensor:
+        """(batch, 1, 1, src_len) True where a key is a real token.
 
-    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        Always a mask, also when nothing is padded: asking whether anything is would copy
+        a flag to the host and wait for the GPU every micro-batch. An all-True mask gives
+        the same attention (tests/test_model.py checks it bitwise on the CPU).
+        """
+        return src.ne(self.pad_id)[:, None, None, :]
+
+    def encode(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Encoder output (batch, src_len, d) and the source key mask."""
         mask = self.source_mask(src)
         x = self.embed_tokens(src)
@@ -157,8 +161,13 @@ class Transformer(nn.Module):
         tgt_in: torch.Tensor,
         tgt_out: torch.Tensor,
         label_smoothing: float = 0.0,
-    ) -> tuple[torch.Tensor, int]:
-        """Summed label-smoothed cross-entropy over the target tokens, and their count."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed label-smoothed cross-entropy over the target tokens, and their count.
+
+        Both are 0-dim tensors on the model's device: reading the count on the host (``int``)
+        waits for the GPU, so that is left to callers that need it (the trainer counts the
+        tokens of a batch on the host when it collates it).
+        """
         if self.sequence_parallel:  # every rank holds an equal part of each sequence
             src = _pad_to_multiple(src, self.tp.size, self.pad_id)
             tgt_in = _pad_to_multiple(tgt_in, self.tp.size, self.pad_id)
@@ -167,7 +176,7 @@ class Transformer(nn.Module):
         per_token = vocab_parallel_cross_entropy(
             logits.flatten(0, 1), tgt_out.flatten(), self.tp, self.vocab_size, label_smoothing, self.pad_id
         )
-        return per_token.sum(), int(tgt_out.ne(self.pad_id).sum())
+        return per_token.sum(), tgt_out.ne(self.pad_id).sum()
 
 
 def checkpoint_with_rng(layer: nn.Module, rng: DropoutRNG, *args) -> torch.Tensor:

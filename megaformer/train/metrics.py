@@ -2,8 +2,10 @@
 
 MFU = achieved training FLOP/s (6 x parameters x target tokens per second) divided by
 the peak of all devices together: ``train.peak_tflops`` per device when set, otherwise a
-table of known GPUs (dense bf16/fp16 tensor-core peak) or, on a CPU, a matmul of the
-training precision measured once at start-up by every rank at the same time (summed).
+table of known GPUs (dense tensor-core peak of the precision the matmuls run in: bf16/fp16,
+or TF32 for fp32 training, see :func:`megaformer.train.device.configure_math`) or, on a
+CPU, a matmul of the training precision measured once at start-up by every rank at the
+same time (summed).
 """
 
 from __future__ import annotations
@@ -16,8 +18,36 @@ from pathlib import Path
 
 import torch
 
-# Dense tensor-core peak in TFLOP/s (bf16/fp16) of GPUs by name.
-GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}
+# Dense (not 2:4 sparse) peak TFLOP/s per GPU from the vendors' data sheets, by a part of the
+# name torch reports; the first match wins, so the PCIe/NVL variants come before the SXM part.
+# "tf32": fp32 matmuls on tensor cores (fp32 training here); "fp32": without them (CUDA cores).
+GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 418.0, "fp32": 60.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},  # SXM
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "V100": {"fp16": 125.0, "fp32": 15.7},  # no bf16 or TF32 tensor cores
+}
+
+
+def gpu_peak_tflops(name: str, precision: str, tf32: bool = True) -> float:
+    """Dense peak TFLOP/s of the GPU called ``name`` for ``precision``; nan if unknown.
+
+    fp32 training counts the TF32 tensor-core peak when ``tf32`` (matmuls allowed to run in
+    TF32, :func:`megaformer.train.device.configure_math`), else the CUDA-core fp32 peak: 67
+    TFLOP/s on an H100/H200, not bf16 / 2 = 494, which only TF32 reaches.
+    """
+    kind = "tf32" if precision == "fp32" and tf32 else precision
+    for key, peaks in GPU_PEAK_TFLOPS.items():
+        if key in name:
+            return peaks.get(kind, peaks.get("fp32", float("nan")) if kind == "tf32" else float("nan"))
+    return float("nan")
 
 
 def measured_matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
@@ -33,14 +63,12 @@ def measured_matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 5) ->
 
 
 def device_peak_flops(device: torch.device, precision: str, override_tflops: float = 0.0) -> float:
+    """Peak FLOP/s of one device for MFU: the override, the GPU table, or a matmul measured on a CPU."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12 / (1 if precision != "fp32" else 2)
-        return float("nan")
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return gpu_peak_tflops(torch.cuda.get_device_name(device), precision, tf32) * 1e12
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     return measured_matmul_peak(dtype)
 

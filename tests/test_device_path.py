@@ -1,0 +1,87 @@
+"""The GPU path's host side, checked on a CPU: MFU peaks, TF32 set-up, pinned batches and async copies."""
+
+import math
+
+import pytest
+import torch
+
+from megaformer import cli
+from megaformer.data.stream import Batch, TokenBatchStream
+from megaformer.train.device import configure_math
+from megaformer.train.metrics import device_peak_flops, gpu_peak_tflops
+
+
+@pytest.mark.parametrize(
+    "name, precision, tflops",
+    [
+        ("NVIDIA H200", "bf16", 989.0),  # the issue's figure
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 80GB HBM3", "fp32", 494.0),  # TF32 (configure_math); 67 without it
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H200 NVL", "fp16", 835.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),  # not A10's 125
+        ("NVIDIA A100-SXM4-80GB", "fp32", 156.0),
+        ("NVIDIA A10", "bf16", 125.0),
+        ("NVIDIA L40S", "bf16", 362.0),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("Tesla V100-SXM2-32GB", "fp32", 15.7),  # no TF32
+    ],
+)
+def test_gpu_peak_table(name, precision, tflops):
+    assert gpu_peak_tflops(name, precision) == tflops
+
+
+def test_gpu_peak_without_tf32_and_unknown():
+    assert gpu_peak_tflops("NVIDIA H200", "fp32", tf32=False) == 67.0
+    assert math.isnan(gpu_peak_tflops("Tesla V100-SXM2-32GB", "bf16"))
+    assert math.isnan(gpu_peak_tflops("Some Future GPU", "bf16"))
+
+
+@pytest.fixture
+def matmul_precision():
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_device_peak_reads_the_name_and_the_tf32_setting(monkeypatch, matmul_precision):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    assert device_peak_flops(cuda, "bf16") == 989e12
+    assert device_peak_flops(cuda, "fp32", 100.0) == 100e12  # train.peak_tflops wins
+    torch.set_float32_matmul_precision("highest")
+    assert device_peak_flops(cuda, "fp32") == 67e12
+    configure_math(cuda, "fp32")
+    assert device_peak_flops(cuda, "fp32") == 494e12
+
+
+def test_configure_math_sets_tf32_only_for_fp32_on_cuda(monkeypatch, matmul_precision):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    torch.set_float32_matmul_precision("highest")
+    configure_math(torch.device("cpu"), "fp32")
+    assert torch.get_float32_matmul_precision() == "highest"
+    configure_math(torch.device("cuda", 0), "bf16")
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert "TF32" in configure_math(torch.device("cuda", 0), "fp32")
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_pinned_stream_pins_every_batch_and_copies_without_blocking(tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    assert cli.main(["prepare", "--synthetic", "300", "--out", str(out), "--quiet"]) == 0
+    pinned = []  # a CPU-only torch cannot pin: record the calls instead
+    monkeypatch.setattr(Batch, "pin_memory", lambda self: pinned.append(self) or self)
+    stream = TokenBatchStream(out, "train", dp_rank=0, dp_size=1, max_tokens=256, pin_memory=True, repeat=False)
+    plain = TokenBatchStream(out, "train", dp_rank=0, dp_size=1, max_tokens=256, repeat=False)
+    batches = list(stream)
+    assert pinned == batches and len(batches) > 1
+    assert all(torch.equal(a.src, b.src) and torch.equal(a.tgt_out, b.tgt_out) for a, b in zip(batches, plain))
+
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: True)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: copies.append(non_blocking))
+    batches[0].to(torch.device("cuda", 0))
+    assert copies and all(copies)  # pinned -> asynchronous copies to a GPU
+    copies.clear()
+    batches[0].to("cpu")
+    assert copies and not any(copies)
