@@ -47,7 +47,7 @@ def main() -> int:
     cfg = load_config(args.config, args.overrides + ["parallel.tp=1", "data.vocab_size=37000"])
     device = torch.device(args.device)
     configure_math(device, args.dtype)  # TF32 for fp32 on a GPU, as in training
-    model = Transformer(cfg.model, cfg.data.vocab_size, LOCAL, DropoutRNG(1, LOCAL, device=device), seed=1).to(device)
+    model = Transformer(cfg.model, cfg.data.vocab_size, LOCAL, DropoutRNG(1, LOCAL), seed=1).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda")
     batch = max(1, args.tokens // args.len)
     g = torch.Generator().manual_seed(0)

@@ -13,31 +13,15 @@ import argparse
 import dataclasses
 import json
 
-import torch
-
 from megaformer.cli_args import existing_file
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
 from megaformer.layout_cost import Hardware, step_cost
-from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, padded_vocab_size
+from megaformer.model.shape import shape_model
+from megaformer.parallel import check_model_split, padded_vocab_size
 from megaformer.train.batching import plan_step
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def _shape_model(cfg: Config, tp_size: int) -> torch.nn.Module:
-    from megaformer.model import Transformer
-
-    tp = TPGroup(group=None, size=tp_size, rank=0)
-    with torch.device("meta"):
-        return Transformer(
-            cfg.model,
-            cfg.data.vocab_size,
-            tp,
-            DropoutRNG(0, tp),
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            vocab_multiple=cfg.parallel.vocab_multiple,
-        )
 
 
 def model_info(cfg: Config) -> dict:
@@ -47,8 +31,8 @@ def model_info(cfg: Config) -> dict:
     dp = max(1, p.dp)
     padded = padded_vocab_size(cfg.data.vocab_size, p.tp, p.vocab_multiple)
     pad_rows = (padded - cfg.data.vocab_size) * m.d_model
-    full = sum(t.numel() for t in _shape_model(cfg, 1).parameters())
-    per_rank = sum(t.numel() for t in _shape_model(cfg, p.tp).parameters())
+    full = sum(t.numel() for t in shape_model(cfg, cfg.data.vocab_size, 1).parameters())
+    per_rank = sum(t.numel() for t in shape_model(cfg, cfg.data.vocab_size, p.tp).parameters())
     params = full - pad_rows
     # Memory per rank: weights and gradients in the training precision, fp32 Adam state
     # (master weights, m, v) sharded over DP by ZeRO >= 1, gradients by ZeRO >= 2.

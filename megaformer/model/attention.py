@@ -142,8 +142,8 @@ class SelfAttention(nn.Module):
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         p = self.attention_dropout if self.training else 0.0
-        ctx = attend(q, k, v, mask, causal, p, self.rng)  # (batch, heads, len, head_dim)
-        return self.out(ctx.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        heads = attend(q, k, v, mask, causal, p, self.rng)  # (batch, heads, len, head_dim)
+        return self.out(heads.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
 class CrossAttention(nn.Module):
@@ -185,5 +185,5 @@ class CrossAttention(nn.Module):
             if cache is not None:
                 cache["k"], cache["v"] = k, v
         p = self.attention_dropout if self.training else 0.0
-        ctx = attend(q, k, v, memory_mask, False, p, self.rng)
-        return self.out(ctx.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        heads = attend(q, k, v, memory_mask, False, p, self.rng)
+        return self.out(heads.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))

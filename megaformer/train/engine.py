@@ -254,6 +254,7 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     import deepspeed
 
     ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
+    _use_accelerator_of(ctx.device)
     deepspeed.init_distributed(
         dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False, verbose=False
     )
@@ -267,6 +268,16 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
             model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=ModelParallelUnit(ctx)
         )
     return Engine(ds=ds, accumulation=ds_config["gradient_accumulation_steps"], ctx=ctx)
+
+
+def _use_accelerator_of(device: torch.device) -> None:
+    """DeepSpeed picks CUDA whenever it is visible; a run on the CPU (gloo) must tell it, before it builds anything."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if device.type == "cpu" and get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
 
 
 @contextlib.contextmanager

@@ -32,6 +32,8 @@ from megaformer.info import model_info
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext, vocab_parallel_cross_entropy
 from megaformer.train import checkpoint as ckpt
+from megaformer.train.batching import plan_step
+from megaformer.train.device import configure_math
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, MicroBatch, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
@@ -98,6 +100,7 @@ class Trainer:
             dump_config(cfg, self.run_dir / "config.yaml")
 
         t = cfg.train
+        self.log(f"train: {configure_math(ctx.device, t.precision)}")
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
         self.model = Transformer(
             cfg.model,
@@ -110,8 +113,11 @@ class Trainer:
             pad_id=PAD_ID,
         ).to(ctx.device)
         streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
-        per_stream = max(1, round(t.tokens_per_step / (streams * cfg.data.max_tokens)))
-        self.feed = DataFeed(self._stream, streams, ctx.dp_rank, ctx.dp_size, per_stream, self.rng, t.seed)
+        # The step stays within 10 % of train.tokens_per_step at any DP size (smaller micro-batches if needed).
+        self.plan = plan_step(t.tokens_per_step, streams, cfg.data.max_tokens, cfg.data.max_len + 1)
+        self.feed = DataFeed(
+            self._stream, streams, ctx.dp_rank, ctx.dp_size, self.plan.micro_batches_per_stream, self.rng, t.seed
+        )
         self.engine: Engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)
         self.parameters = model_info(cfg)["parameters"]
         # The peak of all devices together. On a CPU every rank measures at the same time (as
@@ -126,7 +132,8 @@ class Trainer:
         self.log(
             f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} "
             f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batches of <= "
-            f"{cfg.data.max_tokens} tokens per rank per step ({streams} data streams), run dir {self.run_dir}"
+            f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data streams, "
+            f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -142,9 +149,17 @@ class Trainer:
         return ckpt.resolve_checkpoint(resume, log=self.log)
 
     def _stream(self, index: int, count: int, split: str = "train") -> TokenBatchStream:
+        """Training batches are cut to the step plan's size; validation batches to ``data.max_tokens``."""
         training = split == "train"
         return TokenBatchStream.from_config(
-            self.cfg.data, split, dp_rank=index, dp_size=count, shuffle=training, repeat=training
+            self.cfg.data,
+            split,
+            dp_rank=index,
+            dp_size=count,
+            shuffle=training,
+            repeat=training,
+            max_tokens=self.plan.max_tokens_per_micro_batch if training else 0,
+            pin_memory=self.ctx.device.type == "cuda",
         )
 
     # ---- state ------------------------------------------------------------------------------
