@@ -24,6 +24,7 @@ from megaformer.parallel import (
     DropoutRNG,
     ParallelContext,
     ParallelLayout,
+    TPGroup,
     check_model_split,
     gather_from_tp,
     gather_full,
@@ -62,6 +63,36 @@ def random_batch(
     return src, tgt[:, :-1].clone(), tgt[:, 1:].clone()
 
 
+def _build(cfg: Config, tp: TPGroup, sequence_parallel: bool, device: torch.device) -> torch.nn.Module:
+    """The model of ``cfg`` at ``tp``, from the config's seed (the same model at every TP size)."""
+    from megaformer.model import Transformer
+
+    rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng)
+    return Transformer(
+        cfg.model,
+        cfg.data.vocab_size,
+        tp,
+        rng,
+        seed=cfg.train.seed,
+        sequence_parallel=sequence_parallel,
+        vocab_multiple=cfg.parallel.vocab_multiple,
+    ).to(device)
+
+
+def _loss_and_logits(
+    model: torch.nn.Module, batch: tuple[torch.Tensor, ...], smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean loss (backward run, dropout on) and the logits of the same forward, replaying its masks."""
+    src, tgt_in, tgt_out = batch
+    start = model.rng.state_dict()
+    model.train()
+    total, ntok = model.loss(src, tgt_in, tgt_out, smoothing)
+    (total / ntok).backward()
+    with torch.no_grad(), model.rng.fork(start):
+        logits = model(src, tgt_in)
+    return (total / ntok).detach(), logits
+
+
 def check_parity(
     cfg: Config,
     ctx: ParallelContext,
@@ -75,8 +106,6 @@ def check_parity(
     the TP size when sequence parallelism is on, so that both models see the same
     (unpadded) shapes and therefore the same dropout masks.
     """
-    from megaformer.model import Transformer
-
     tp_size = ctx.tp.size
     if cfg.parallel.sequence_parallel and (src_len % tp_size or tgt_len % tp_size):
         raise ConfigError(
@@ -88,36 +117,16 @@ def check_parity(
     device = ctx.device
     src, tgt_in, tgt_out = (t.to(device) for t in random_batch(vocab, batch, src_len, tgt_len, cfg.train.seed))
 
-    def build(tp, sp):
-        rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng)
-        return Transformer(
-            cfg.model,
-            vocab,
-            tp,
-            rng,
-            seed=cfg.train.seed,
-            sequence_parallel=sp,
-            vocab_multiple=cfg.parallel.vocab_multiple,
-        ).to(device)
-
-    def loss_and_logits(model):
-        start = model.rng.state_dict()
-        model.train()
-        total, ntok = model.loss(src, tgt_in, tgt_out, smoothing)
-        (total / ntok).backward()
-        with torch.no_grad(), model.rng.fork(start):  # the logits forward replays the same dropout masks
-            logits = model(src, tgt_in)
-        return (total / ntok).detach(), logits
-
-    model = build(ctx.tp, cfg.parallel.sequence_parallel)
-    loss, logits = loss_and_logits(model)
+    batch_on_device = (src, tgt_in, tgt_out)
+    model = _build(cfg, ctx.tp, cfg.parallel.sequence_parallel, device)
+    loss, logits = _loss_and_logits(model, batch_on_device, smoothing)
     logits = gather_from_tp(logits, ctx.tp)
     grads = {n: gather_full(p.grad, tp_dim(p), tp_partitions(p), ctx.tp) for n, p in model.named_parameters()}
     if ctx.rank != 0:
         return None
 
-    ref = build(LOCAL, False)
-    ref_loss, ref_logits = loss_and_logits(ref)
+    ref = _build(cfg, LOCAL, False, device)
+    ref_loss, ref_logits = _loss_and_logits(ref, batch_on_device, smoothing)
     report = ParityReport(loss.item(), ref_loss.item())
     report.diffs["loss"] = _relative(loss, ref_loss)
     real = slice(0, vocab)

@@ -194,31 +194,15 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
         row = order // kc + torch.arange(m, device=device).unsqueeze(-1) * beam  # (m, 2 beam) source rows
         is_eos = token.eq(EOS_ID)
 
-        # Finish the eos candidates among the first `beam`.
-        lp = length_penalty(step + 1, settings.lenpen)
-        ends = (is_eos[:, :beam] & torch.isfinite(top[:, :beam])).nonzero().tolist()
-        if ends:
-            top_cpu, row_cpu = top.cpu(), row.cpu()
-            for i, j in ends:
-                sentence = int(active[i])
-                if len(finished[sentence]) < beam:
-                    logprob = float(top_cpu[i, j])
-                    hyp = Hypothesis(tokens[row_cpu[i, j], 1:].tolist(), logprob / lp, logprob)
-                    finished[sentence].append(hyp)
-                    best_done[sentence] = max(float(best_done[sentence]), hyp.score)
+        _finish_eos(
+            finished, best_done, active, tokens, top, row, is_eos, beam, length_penalty(step + 1, settings.lenpen)
+        )
 
         # The next live hypotheses: the first `beam` candidates that do not end in eos.
         live = is_eos.int().argsort(dim=-1, stable=True)[:, :beam]  # (m, beam)
         next_row, next_token, next_score = row.gather(-1, live), token.gather(-1, live), top.gather(-1, live)
 
-        counts = torch.tensor([len(finished[int(s)]) for s in active])
-        future_lp = torch.maximum(
-            length_penalty(limit.double() + 1, settings.lenpen),
-            torch.full((m,), length_penalty(step + 2, settings.lenpen), dtype=torch.float64),
-        )
-        best_live = next_score[:, 0].cpu()  # candidates are sorted: the first live one is the best
-        hopeless = (counts > 0) & (best_live / future_lp <= best_done[active])
-        done = (counts >= beam) | (limit <= step) | hopeless  # (m,)
+        done = _done(finished, best_done, active, limit, next_score, beam, step, settings.lenpen)  # (m,)
         if bool(done.all()):
             break
         keep = (~done).nonzero().squeeze(-1)  # (m',) positions among the active sentences
@@ -235,6 +219,54 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
             active = active[keep]
 
     return [max(f, key=lambda h: h.score) for f in finished]  # max keeps the first of equal scores
+
+
+def _finish_eos(
+    finished: list[list[Hypothesis]],
+    best_done: torch.Tensor,
+    active: torch.Tensor,
+    tokens: torch.Tensor,
+    top: torch.Tensor,
+    row: torch.Tensor,
+    is_eos: torch.Tensor,
+    beam: int,
+    lp: float,
+) -> None:
+    """Record the eos candidates among the first ``beam`` of each sentence as finished hypotheses (score / lp)."""
+    ends = (is_eos[:, :beam] & torch.isfinite(top[:, :beam])).nonzero().tolist()
+    if not ends:
+        return
+    top_cpu, row_cpu = top.cpu(), row.cpu()
+    for i, j in ends:
+        sentence = int(active[i])
+        if len(finished[sentence]) < beam:
+            logprob = float(top_cpu[i, j])
+            hyp = Hypothesis(tokens[row_cpu[i, j], 1:].tolist(), logprob / lp, logprob)
+            finished[sentence].append(hyp)
+            best_done[sentence] = max(float(best_done[sentence]), hyp.score)
+
+
+def _done(
+    finished: list[list[Hypothesis]],
+    best_done: torch.Tensor,
+    active: torch.Tensor,
+    limit: torch.Tensor,
+    next_score: torch.Tensor,
+    beam: int,
+    step: int,
+    lenpen: float,
+) -> torch.Tensor:
+    """(m,) True for the sentences whose search is over: beam hypotheses finished, length limit, or no live
+    hypothesis can still beat the best finished one (its best possible length penalty is already counted)."""
+    m = active.numel()
+    counts = torch.tensor([len(finished[int(s)]) for s in active])
+    future_lp = torch.maximum(
+        length_penalty(limit.double() + 1, lenpen),
+        torch.full((m,), length_penalty(step + 2, lenpen), dtype=torch.float64),
+    )
+    best_live = next_score[:, 0].cpu()  # candidates are sorted: the first live one is the best
+    hopeless = (counts > 0) & (best_live / future_lp <= best_done[active])
+    return (counts >= beam) | (limit <= step) | hopeless
 
 
 @torch.no_grad()

@@ -59,6 +59,32 @@ def _local_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, index
 
 
+def _allowed(
+    z: torch.Tensor,
+    logits: torch.Tensor,
+    start: int,
+    never: Sequence[int],
+    eos_id: int,
+    ban_eos: torch.Tensor | None,
+    only_eos: torch.Tensor | None,
+) -> torch.Tensor:
+    """What may be produced: a copy of the real logits ``z`` (ids ``start`` ...) with the forbidden ones at -inf."""
+    n_real = z.shape[1]
+    z = z.clone()
+    for i in never:
+        if start <= i < start + n_real:
+            z[:, i - start] = NEG_INF
+    eos_col = eos_id - start if start <= eos_id < start + n_real else None
+    if ban_eos is not None and eos_col is not None:
+        z[:, eos_col] = z[:, eos_col].masked_fill(ban_eos, NEG_INF)
+    if only_eos is not None and bool(only_eos.any()):
+        keep_eos = z[:, eos_col].clone() if eos_col is not None else None
+        z[only_eos] = NEG_INF
+        if eos_col is not None:  # a row that must end may end even where eos is otherwise banned
+            z[:, eos_col] = torch.where(only_eos, logits[:, eos_col].float(), keep_eos)
+    return z
+
+
 def vocab_parallel_topk(
     logits: torch.Tensor,
     k: int,
@@ -84,19 +110,7 @@ def vocab_parallel_topk(
     z = logits[:, :n_real].float()  # (rows, n_real)
     lse_here = torch.logsumexp(z, dim=-1) if n_real else logits.new_full((rows,), NEG_INF).float()
 
-    # What may be produced: a copy of the real logits with the forbidden ones at -inf.
-    z = z.clone()
-    for i in never:
-        if start <= i < start + n_real:
-            z[:, i - start] = NEG_INF
-    eos_col = eos_id - start if start <= eos_id < start + n_real else None
-    if ban_eos is not None and eos_col is not None:
-        z[:, eos_col] = z[:, eos_col].masked_fill(ban_eos, NEG_INF)
-    if only_eos is not None and bool(only_eos.any()):
-        keep_eos = z[:, eos_col].clone() if eos_col is not None else None
-        z[only_eos] = NEG_INF
-        if eos_col is not None:  # a row that must end may end even where eos is otherwise banned
-            z[:, eos_col] = torch.where(only_eos, logits[:, eos_col].float(), keep_eos)
+    z = _allowed(z, logits, start, never, eos_id, ban_eos, only_eos)
 
     kk = min(k, local)
     values = z.new_full((rows, kk), NEG_INF)
