@@ -52,7 +52,7 @@ import torch
 
 from megaformer.config import DecodeConfig
 from megaformer.data.tokenizer import BOS_ID, EOS_ID
-from megaformer.decode.vocab_topk import vocab_parallel_topk
+from megaformer.decode.vocab_topk import Candidates, vocab_parallel_topk
 from megaformer.model import DecoderCache, Transformer
 
 
@@ -162,12 +162,7 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
     if memory_mask is not None:
         memory_mask = memory_mask.repeat_interleave(beam, dim=0)
     cache = DecoderCache(len(model.decoder)) if settings.use_cache else None
-
-    active = torch.arange(n)  # original index of each sentence still searched
-    tokens = torch.full((n * beam, 1), BOS_ID, dtype=torch.long, device=device)  # (rows, t)
-    scores = torch.zeros(n, beam, dtype=torch.float64, device=device)
-    scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first
-    scores = scores.view(-1)  # (rows,) cumulative log-probabilities
+    active, tokens, scores = _start(n, beam, device)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     best_done = torch.full((n,), float("-inf"), dtype=torch.float64)  # best finished score per sentence
 
@@ -176,16 +171,7 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
         limit = limits[active]  # (m,)
         ban_eos, only_eos = _end_masks(limit.repeat_interleave(beam), step, settings.min_len, device)
         logits = _step_logits(model, tokens, memory, memory_mask, cache)
-        cand = vocab_parallel_topk(
-            logits,
-            k,
-            model.tp,
-            model.vocab_size,
-            never=(model.pad_id, BOS_ID),
-            eos_id=EOS_ID,
-            ban_eos=ban_eos,
-            only_eos=only_eos,
-        )
+        cand = _candidates(model, logits, k, ban_eos, only_eos)
         kc = cand.token.shape[1]
         total = (scores.unsqueeze(-1) + cand.logprob).view(m, beam * kc)  # (m, beam kc)
         order = total.argsort(dim=-1, descending=True, stable=True)[:, :k]  # (m, 2 beam)
@@ -212,13 +198,39 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
         if cache is not None:
             cache.reorder(index)
         if bool(done.any()):  # shrink: the memory rows of a sentence are identical, keep its block
-            rows = (keep.to(device).unsqueeze(-1) * beam + torch.arange(beam, device=device)).view(-1)
-            memory = memory.index_select(0, rows)
-            if memory_mask is not None:
-                memory_mask = memory_mask.index_select(0, rows)
-            active = active[keep]
+            memory, memory_mask, active = _keep_sentences(keep, beam, memory, memory_mask, active)
 
     return [max(f, key=lambda h: h.score) for f in finished]  # max keeps the first of equal scores
+
+
+def _candidates(
+    model: Transformer, logits: torch.Tensor, k: int, ban_eos: torch.Tensor, only_eos: torch.Tensor
+) -> Candidates:
+    """The ``k`` best next tokens of every row (never pad or bos; eos banned or forced per row)."""
+    never = (model.pad_id, BOS_ID)
+    return vocab_parallel_topk(
+        logits, k, model.tp, model.vocab_size, never=never, eos_id=EOS_ID, ban_eos=ban_eos, only_eos=only_eos
+    )
+
+
+def _start(n: int, beam: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(active sentences, tokens (n beam, 1) = bos, cumulative scores (n beam,)); only the first beam is live."""
+    active = torch.arange(n)  # original index of each sentence still searched
+    tokens = torch.full((n * beam, 1), BOS_ID, dtype=torch.long, device=device)  # (rows, t)
+    scores = torch.zeros(n, beam, dtype=torch.float64, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start equal: expand only the first
+    return active, tokens, scores.view(-1)
+
+
+def _keep_sentences(
+    keep: torch.Tensor, beam: int, memory: torch.Tensor, memory_mask: torch.Tensor | None, active: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The encoder rows, masks and indices of the sentences at positions ``keep`` (each a block of ``beam`` rows)."""
+    rows = (keep.to(memory.device).unsqueeze(-1) * beam + torch.arange(beam, device=memory.device)).view(-1)
+    memory = memory.index_select(0, rows)
+    if memory_mask is not None:
+        memory_mask = memory_mask.index_select(0, rows)
+    return memory, memory_mask, active[keep]
 
 
 def _finish_eos(
