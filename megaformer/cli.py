@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train (torchrun, srun, the deepspeed launcher, or --nproc N local processes)",
     ),
     "reshard": ("megaformer.train.command:reshard", "rewrite a checkpoint for another tensor-parallel size"),
-    "export": ("megaformer.train.command:export", "write one consolidated, TP-independent model file"),
+    "export": ("megaformer.export.command", "write the model as safetensors, Hugging Face MarianMT or CTranslate2"),
     "translate": ("megaformer.decode.translate", "translate raw text with a checkpoint or model file (beam search)"),
     "evaluate": ("megaformer.decode.evaluate_command", "translate a test set and score it with sacreBLEU and chrF"),
     "average": ("megaformer.decode.average_command", "average the parameters of several checkpoints, as in the paper"),

@@ -1,10 +1,9 @@
-"""``megaformer train``, ``megaformer reshard`` and ``megaformer export``."""
+"""``megaformer train`` and ``megaformer reshard`` (``megaformer export`` is :mod:`megaformer.export.command`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from megaformer.config import Config, load_config
@@ -71,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     return _rank_main(cfg, run_dir, args.resume)
 
 
-# ---- reshard / export -------------------------------------------------------------------------
+# ---- reshard --------------------------------------------------------------------------------
 
 
 def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,20 +84,4 @@ def reshard_main(args: argparse.Namespace) -> int:
 
     out = reshard(Path(args.src), Path(args.out), args.tp)
     print(f"reshard: wrote {out} for tp={args.tp}")
-    return 0
-
-
-def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="checkpoint step directory or run directory")
-    p.add_argument("--out", required=True, help="consolidated model file to write")
-
-
-def export_main(args: argparse.Namespace) -> int:
-    from megaformer.train.checkpoint import consolidate, resolve_checkpoint, save_consolidated
-
-    step_dir = resolve_checkpoint(Path(args.ckpt), log=lambda m: print(m, file=sys.stderr))
-    model = consolidate(step_dir)
-    save_consolidated(args.out, model)
-    n = sum(t.numel() for t in model.model.values())
-    print(f"export: wrote {args.out} from {step_dir} ({n:,} values, step {model.meta['step']})")
     return 0
