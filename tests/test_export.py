@@ -164,7 +164,7 @@ def test_ctranslate2_beam4_matches_the_same_search_and_explains_every_difference
         sources,
         beam_size=4,
         length_penalty=0.0,
-        max_decoding_length=MAX_NEW + 1,
+        max_decoding_length=MAX_NEW,  # output tokens without the eos
         suppress_sequences=[["<pad>"], ["<s>"]],
     )
     theirs = [sp.decode_pieces(r.hypotheses[0]) for r in results]
