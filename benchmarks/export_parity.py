@@ -277,6 +277,41 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
     return result
 
 
+def engine_speeds(args: argparse.Namespace, sentences: int, beam: int, tmp: Path) -> dict:
+    """Sentences/s of megaformer, transformers and CTranslate2 decoding the same ``sentences`` sources.
+
+    Each engine gets one warm-up batch, this process's torch threads (CTranslate2 as many intra
+    threads), beam ``beam`` with length penalty 0 and the same length limit; megaformer and
+    transformers batch 64 sentences (megaformer by up to 4096 source tokens), CTranslate2 64.
+    """
+    import ctranslate2
+    from transformers import MarianMTModel, MarianTokenizer
+
+    model = load_model_file(args.ckpt) if args.ckpt else multi30k_model(args, tmp)
+    src = read_text(Path(args.src) if args.src else Path(args.data) / "test_2016_flickr.en.gz")[:sentences]
+    write_export(model, tmp / "hf", "hf")
+    write_export(model, tmp / "ct2", "ct2")
+    threads = torch.get_num_threads()
+    hf = (MarianMTModel.from_pretrained(str(tmp / "hf")).eval(), MarianTokenizer.from_pretrained(str(tmp / "hf")))
+    translator = ctranslate2.Translator(str(tmp / "ct2"), device="cpu", intra_threads=threads)
+    sp = load_tokenizer(model)
+    runs = {
+        "megaformer": lambda lines: megaformer_outputs(model, lines, beam, args.max_new),
+        "transformers": lambda lines: hf_outputs(hf, lines, beam, args.max_new, True, batch=64),
+        "ctranslate2": lambda lines: ct2_outputs(translator, sp, lines, beam, args.max_new),
+    }
+    result: dict = {"sentences": len(src), "beam": beam, "threads": threads, "max_new_tokens": args.max_new}
+    outputs = {}
+    for name, fn in runs.items():
+        fn(src[:8])  # warm-up
+        outputs[name], seconds = fn(src)
+        result[name] = {"seconds": round(seconds, 2), "sentences_per_s": round(len(src) / seconds, 2)}
+    for other in ("transformers", "ctranslate2"):
+        same = sum(a == b for a, b in zip(outputs["megaformer"], outputs[other]))
+        result[f"identical_megaformer_{other}"] = same
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="megaformer-export-parity-") as tmp:
