@@ -90,6 +90,16 @@ def timed(model: Transformer, src: torch.Tensor, settings: SearchSettings, devic
     return time.perf_counter() - start, hyps
 
 
+def print_engines(e: dict) -> None:
+    print(f"{e['sentences']} Multi30k sentences, beam {e['beam']}, {e['threads']} threads, same model:")
+    for name in ("megaformer", "transformers", "ctranslate2"):
+        print(f"  {name:13s} {e[name]['seconds']:8.2f} s  {e[name]['sentences_per_s']:8.2f} sentences/s")
+    print(
+        f"  identical outputs: megaformer = transformers {e['identical_megaformer_transformers']}, "
+        f"megaformer = CTranslate2 {e['identical_megaformer_ctranslate2']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -154,14 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"uncached: {uncached_s:7.2f} s  {result['uncached']['sentences_per_s']:8.2f} sentences/s")
         print(f"cache speedup: {result['speedup']:.1f}x (target >= 5x); same hypotheses: {result['identical']}")
         if args.engines:
-            e = result["engines"]
-            print(f"{e['sentences']} Multi30k sentences, beam {e['beam']}, {e['threads']} threads, same model:")
-            for name in ("megaformer", "transformers", "ctranslate2"):
-                print(f"  {name:13s} {e[name]['seconds']:8.2f} s  {e[name]['sentences_per_s']:8.2f} sentences/s")
-            print(
-                f"  identical outputs: megaformer = transformers {e['identical_megaformer_transformers']}, "
-                f"megaformer = CTranslate2 {e['identical_megaformer_ctranslate2']}"
-            )
+            print_engines(result["engines"])
     return 0
 
 
