@@ -67,6 +67,10 @@ def main(args: argparse.Namespace) -> int:
     if out.exists() and not args.force:  # before reading a large checkpoint
         raise ExportError(f"{out}: already exists; choose another --out or pass --force to replace it")
     model = load_model_file(ckpt, log=lambda m: print(m, file=sys.stderr))
+    if fmt in ("hf", "ct2"):  # a command prints its own one-line result, not transformers' progress bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     write_export(model, out, fmt, force=args.force)
     n = sum(t.numel() for t in model.model.values())
     print(

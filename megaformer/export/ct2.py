@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from megaformer.config import to_dict
-from megaformer.export.hf import write_hf_dir
+from megaformer.export.hf import no_sacremoses_warning, write_hf_dir
 from megaformer.export.marian import BOS_ID, EOS_ID, MARIAN_LAYERNORM_EPS, SPECIAL_PIECES, UNK_ID
 from megaformer.export.safetensors_format import write_manifest
 from megaformer.train.checkpoint import Consolidated
@@ -59,7 +59,8 @@ def _converter(hf_dir: Path):
             from transformers import MarianMTModel, MarianTokenizer
 
             model = MarianMTModel.from_pretrained(self._model_name_or_path, dtype=torch.float32)
-            tokenizer = MarianTokenizer.from_pretrained(self._model_name_or_path)
+            with no_sacremoses_warning():
+                tokenizer = MarianTokenizer.from_pretrained(self._model_name_or_path)
             with torch.no_grad():
                 return FromBosLoader()(model, tokenizer)
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import sentencepiece as spm
@@ -76,8 +79,17 @@ def _write_tokenizer(folder: Path, sp: spm.SentencePieceProcessor, proto: bytes)
         spm_path, vocab_path = Path(tmp) / "source.spm", Path(tmp) / "vocab.json"
         spm_path.write_bytes(proto)
         vocab_path.write_text(json.dumps({sp.id_to_piece(i): i for i in range(sp.vocab_size())}, ensure_ascii=False))
-        tok = MarianTokenizer(str(spm_path), str(spm_path), str(vocab_path), model_max_length=1 << 30)
+        with no_sacremoses_warning():
+            tok = MarianTokenizer(str(spm_path), str(spm_path), str(vocab_path), model_max_length=1 << 30)
         tok.save_pretrained(str(folder))
+
+
+@contextmanager
+def no_sacremoses_warning() -> Iterator[None]:
+    """MarianTokenizer asks for sacremoses, whose punctuation normaliser its encoding never calls."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+        yield
 
 
 def is_hf_export(path: Path) -> bool:
