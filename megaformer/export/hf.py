@@ -56,8 +56,8 @@ def write_hf_dir(folder: Path, model: Consolidated) -> None:
 
     sp = check_tokenizer(model)
     state = to_marian_state(model)
-    torch.manual_seed(0)  # the random init is overwritten; keep it from depending on the caller's stream
-    net = MarianMTModel(MarianConfig(**marian_config(model)))
+    with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the caller's stream alone
+        net = MarianMTModel(MarianConfig(**marian_config(model)))
     result = net.load_state_dict(state, strict=False)
     if result.unexpected_keys or set(result.missing_keys) - POSITION_KEYS:
         raise ExportError(
