@@ -166,6 +166,7 @@ def test_ctranslate2_beam4_matches_the_same_search_and_explains_every_difference
         length_penalty=0.0,
         max_decoding_length=MAX_NEW,  # output tokens without the eos
         suppress_sequences=[["<pad>"], ["<s>"]],
+        min_decoding_length=0,  # CTranslate2's default 1 would forbid an immediate eos
     )
     theirs = [sp.decode_pieces(r.hypotheses[0]) for r in results]
     marian, tokenizer, _ = hf

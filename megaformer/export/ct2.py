@@ -9,7 +9,8 @@ LayerNorm epsilon 1e-5; weights, positions and vocabulary are read by CTranslate
 
 Sources are given to ``Translator.translate_batch`` as sentencepiece pieces followed by
 ``</s>`` (as megaformer and MarianTokenizer encode); ``<pad>`` and ``<s>`` should be
-suppressed (``suppress_sequences=[["<pad>"], ["<s>"]]``), as megaformer never outputs them.
+suppressed (``suppress_sequences=[["<pad>"], ["<s>"]]``), as megaformer never outputs them,
+and ``min_decoding_length=0`` lets it end at once as megaformer may (its default is 1).
 """
 
 from __future__ import annotations
