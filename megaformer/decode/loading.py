@@ -1,13 +1,16 @@
 """From a model file to a model and a tokenizer ready to decode, at any TP size.
 
-:func:`load_model_file` is the one place where the decode commands read a model: a
-consolidated model file, a training checkpoint's step directory, or a run directory
-(its newest complete checkpoint), through ``checkpoint.load_for_inference``.
+:func:`load_model_file` is the one place where the decode commands (and ``export``) read a
+model: a consolidated model file, a training checkpoint's step directory, a run directory
+(its newest complete checkpoint), or an export of ``megaformer export`` (safetensors file
+or directory, Hugging Face Marian directory), whose sha256 sums are checked.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import sentencepiece as spm
@@ -16,18 +19,60 @@ import torch
 from megaformer.errors import CheckpointError
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state, padded_vocab_size
-from megaformer.train.checkpoint import Consolidated, load_for_inference
+from megaformer.train.checkpoint import STEP_DIR, Consolidated, consolidate, load_for_inference, resolve_checkpoint
 
 SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 
 
-def load_model_file(path: str | Path) -> Consolidated:
-    """The TP-independent model at ``path`` (model file, step directory or run directory).
+def load_model_file(path: str | Path, log: Callable[[str], None] | None = None) -> Consolidated:
+    """The TP-independent model at ``path``: model file, step directory, run directory, or an export.
 
-    CheckpointError if it is missing, torn or of another kind. Skipping a damaged
-    newest checkpoint for an older one is said on stderr.
+    Exports (:mod:`megaformer.export`) are read with safetensors and their sha256 checked:
+    a ``.safetensors`` file, a safetensors export directory, a Hugging Face Marian
+    directory written by ``megaformer export --format hf``. A run directory whose newest
+    checkpoint is damaged falls back to an older one, announced through ``log`` (stderr by
+    default). CheckpointError if ``path`` is missing, torn, damaged or of another kind.
     """
-    return load_for_inference(path, log=lambda message: print(message, file=sys.stderr))
+    path = Path(path)
+    if log is None:
+        log = _to_stderr
+    exported = load_export(path)
+    if exported is not None:
+        return exported
+    if path.is_dir() and not STEP_DIR.match(path.name):
+        step_dir = resolve_checkpoint(path, log=log)  # says which step it skipped, and why
+        return consolidate(step_dir)
+    return load_for_inference(path, log=log)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def load_export(path: Path) -> Consolidated | None:
+    """The model of an export at ``path``, or None if ``path`` is not one (see :func:`load_model_file`)."""
+    manifest = path / "megaformer-export.json"
+    if path.is_file() and path.suffix == ".safetensors":
+        from megaformer.export.safetensors_format import load_safetensors_export
+
+        return load_safetensors_export(path)
+    if not (path.is_dir() and manifest.is_file()):
+        return None
+    try:
+        kind = json.loads(manifest.read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        raise CheckpointError(f"{manifest}: unreadable export manifest") from None
+    if kind == "megaformer-hf-marian-v1":
+        from megaformer.export.hf import load_hf_export
+
+        return load_hf_export(path)
+    if kind == "megaformer-safetensors-v1":
+        from megaformer.export.safetensors_format import load_safetensors_export
+
+        return load_safetensors_export(path)
+    raise CheckpointError(
+        f"{path}: a {kind} export, which megaformer does not read back; use its hf or safetensors export"
+    )
 
 
 def check_layout(model: Consolidated, tp_size: int, *, source: str = "") -> None:

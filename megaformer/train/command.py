@@ -1,4 +1,4 @@
-"""``megaformer train`` and ``megaformer export`` (``reshard`` lives in :mod:`megaformer.train.reshard_command`).
+"""``megaformer train`` (``reshard`` is :mod:`megaformer.train.reshard_command`, ``export`` :mod:`megaformer.export.command`).
 
 ``train --resume`` keeps its own name: it is a policy (``auto``: the newest complete
 checkpoint of the run directory, if any; ``none``: start fresh) that may also be a
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
@@ -99,22 +98,3 @@ def main(args: argparse.Namespace) -> int:
     if info.source == "single":
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     return _rank_main(cfg, run_dir, args.resume)
-
-
-# ---- export --------------------------------------------------------------------------------
-
-
-def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="checkpoint step directory or run directory")
-    p.add_argument("--out", required=True, help="consolidated model file to write")
-
-
-def export_main(args: argparse.Namespace) -> int:
-    from megaformer.train.checkpoint import consolidate, resolve_checkpoint, save_consolidated
-
-    step_dir = resolve_checkpoint(Path(args.ckpt), log=lambda m: print(m, file=sys.stderr))
-    model = consolidate(step_dir)
-    save_consolidated(args.out, model)
-    n = sum(t.numel() for t in model.model.values())
-    print(f"export: wrote {args.out} from {step_dir} ({n:,} values, step {model.meta['step']})")
-    return 0

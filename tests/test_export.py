@@ -1,0 +1,310 @@
+"""megaformer export: parity of the Hugging Face Marian and CTranslate2 exports against those tools' own code.
+
+A tiny model is trained here to reverse sentences (sentencepiece trained on the fly, a
+few hundred Adam steps: see ``decode_helpers``). The references are independent of
+megaformer: ``MarianMTModel``'s forward and ``generate``, ``MarianTokenizer``, and
+CTranslate2's ``Translator``. Beam parity uses length penalty 0 in every engine (plain
+log-probability), the one setting the three search implementations share; differences
+are printed with both outputs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import sys
+
+import pytest
+import torch
+from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
+
+from megaformer import cli
+from megaformer.config import to_dict
+from megaformer.decode.beam import SearchSettings
+from megaformer.decode.loading import build_model, load_model_file, load_tokenizer
+from megaformer.decode.translate import translate_ids
+from megaformer.parallel import LOCAL
+from megaformer.train.checkpoint import load_consolidated, reshard, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+SENTENCES = 100
+MAX_NEW = 40  # output tokens before a forced eos; the reversals here need at most ~20
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A trained consolidated model, a TP=1 run directory holding it, and 100 test pairs."""
+    folder = tmp_path_factory.mktemp("export")
+    model_path = make_text_checkpoint(folder, steps=300)["final"]
+    model = load_consolidated(model_path)
+    from megaformer.parallel import ParallelContext
+
+    spm_path = folder / "spm.model"
+    meta = {"config": to_dict(model.config), "vocab_size": model.vocab_size, "tokens": 0}
+    state = {"param": model.model, **{k: {n: t * 0 for n, t in model.model.items()} for k in ("exp_avg", "exp_avg_sq")}}
+    step = save_checkpoint(
+        folder / "run" / "checkpoints", 300, ParallelContext.single(), state, {}, {}, meta, 2, spm_path
+    )
+    rng = random.Random(77)
+    lines = [random_sentence(rng, 2, 8) for _ in range(SENTENCES)]
+    return {"dir": folder, "pt": model_path, "model": model, "step": step, "lines": lines}
+
+
+@pytest.fixture(scope="module")
+def exports(trained):
+    """Every export of the trained model, written through the command as a user runs it."""
+    out = {}
+    for name, fmt in (("hf", "hf"), ("ct2", "ct2"), ("model.safetensors", None), ("sdir", "safetensors")):
+        path = trained["dir"] / "exports" / name
+        argv = ["export", "--ckpt", trained["dir"] / "run", "--out", path] + (["--format", fmt] if fmt else [])
+        assert cli.main([str(a) for a in argv]) == 0
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(exports):
+    model, info = transformers.MarianMTModel.from_pretrained(str(exports["hf"]), output_loading_info=True)
+    tokenizer = transformers.MarianTokenizer.from_pretrained(str(exports["hf"]))
+    return model.eval(), tokenizer, info
+
+
+def _megaformer_outputs(trained, beam: int) -> list[str]:
+    model = trained["model"]
+    sp = load_tokenizer(model)
+    net = build_model(model, LOCAL)
+    settings = SearchSettings(beam=beam, lenpen=0.0, max_len_a=0.0, max_len_b=MAX_NEW)
+    hyps = translate_ids(net, [sp.encode(x) + [3] for x in trained["lines"]], settings, 4096)
+    return [sp.decode(h.tokens) for h in hyps]
+
+
+def _differences(ours: list[str], theirs: list[str], lines: list[str]) -> list[str]:
+    return [f"{src!r}: megaformer {a!r}, other {b!r}" for src, a, b in zip(lines, ours, theirs) if a != b]
+
+
+def test_hf_directory_loads_without_missing_or_unexpected_weights(hf):
+    _, _, info = hf
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+def test_marian_tokenizer_encodes_as_megaformer(trained, hf):
+    _, tokenizer, _ = hf
+    sp = load_tokenizer(trained["model"])
+    for line in trained["lines"]:
+        assert tokenizer(line).input_ids == sp.encode(line) + [3], line
+
+
+def test_marian_logits_equal_megaformer_logits(trained, hf):
+    """Teacher-forced logits of 100 pairs in one padded batch: MarianMTModel's forward vs megaformer's."""
+    marian, tokenizer, _ = hf
+    sp = load_tokenizer(trained["model"])
+    net = build_model(trained["model"], LOCAL)
+    batch = tokenizer(trained["lines"], return_tensors="pt", padding=True)
+    targets = [[2] + sp.encode(reverse_sentence(x)) for x in trained["lines"]]
+    length = max(len(t) for t in targets)
+    tgt = torch.tensor([t + [0] * (length - len(t)) for t in targets])
+    with torch.no_grad():
+        ours = net(batch.input_ids, tgt)[..., : trained["model"].vocab_size]
+        theirs = marian(input_ids=batch.input_ids, attention_mask=batch.attention_mask, decoder_input_ids=tgt).logits
+    real = tgt.ne(0)
+    real[:, 0] = True
+    diff = (ours - theirs).abs()[real].max().item()
+    assert diff <= 1e-4, diff
+    assert ours[real].abs().max() > 1.0  # logits of a trained model, not zeros
+
+
+def _hf_generate(hf, lines: list[str], beam: int) -> list[str]:
+    marian, tokenizer, _ = hf
+    batch = tokenizer(lines, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = marian.generate(**batch, num_beams=beam, do_sample=False, length_penalty=0.0, max_new_tokens=MAX_NEW + 1)
+    return tokenizer.batch_decode(out, skip_special_tokens=True)
+
+
+def test_greedy_strings_identical(trained, hf):
+    ours, theirs = _megaformer_outputs(trained, 1), _hf_generate(hf, trained["lines"], 1)
+    assert not _differences(ours, theirs, trained["lines"])
+    assert (
+        sum(a == reverse_sentence(x) for a, x in zip(ours, trained["lines"])) > SENTENCES // 5
+    )  # a partly trained model, not noise
+
+
+def test_beam4_identical_on_99_percent(trained, hf):
+    ours, theirs = _megaformer_outputs(trained, 4), _hf_generate(hf, trained["lines"], 4)
+    diff = _differences(ours, theirs, trained["lines"])
+    print("\n".join(["beam 4, megaformer vs transformers:"] + diff or ["no differences"]))
+    assert len(diff) <= SENTENCES // 100, diff
+
+
+def _logprob(trained, source: str, output: str) -> float:
+    """log P(output + eos | source) under megaformer's own model, in float64."""
+    sp = load_tokenizer(trained["model"])
+    net = build_model(trained["model"], LOCAL)
+    y = sp.encode(output) + [3]
+    with torch.no_grad():
+        logits = net(torch.tensor([sp.encode(source) + [3]]), torch.tensor([[2] + y[:-1]]))[0]
+    logp = logits[:, : trained["model"].vocab_size].double().log_softmax(-1)
+    return float(sum(logp[i, t] for i, t in enumerate(y)))
+
+
+def test_ctranslate2_beam4_matches_the_same_search_and_explains_every_difference(trained, exports, hf):
+    """CTranslate2's beam search stops only when no live hypothesis can beat the best finished one
+    (transformers' ``early_stopping="never"``); megaformer stops when ``beam`` hypotheses have
+    finished (fairseq, transformers' ``early_stopping=True``). Under the same rule the outputs must
+    be identical; against megaformer, every difference must be CTranslate2 finding an output that
+    megaformer's own model scores higher (search stopped later), never a different model.
+    """
+    sp = load_tokenizer(trained["model"])
+    translator = ctranslate2.Translator(str(exports["ct2"]), device="cpu", intra_threads=1)
+    sources = [sp.encode(x, out_type=str) + ["</s>"] for x in trained["lines"]]
+    results = translator.translate_batch(
+        sources,
+        beam_size=4,
+        length_penalty=0.0,
+        max_decoding_length=MAX_NEW,  # output tokens without the eos
+        suppress_sequences=[["<pad>"], ["<s>"]],
+        min_decoding_length=0,  # CTranslate2's default 1 would forbid an immediate eos
+    )
+    theirs = [sp.decode_pieces(r.hypotheses[0]) for r in results]
+    marian, tokenizer, _ = hf
+    batch = tokenizer(trained["lines"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = marian.generate(
+            **batch,
+            num_beams=4,
+            length_penalty=0.0,
+            early_stopping="never",
+            max_length=None,
+            max_new_tokens=MAX_NEW + 1,
+        )
+    same_rule = _differences(tokenizer.batch_decode(out, skip_special_tokens=True), theirs, trained["lines"])
+    assert len(same_rule) <= SENTENCES // 100, same_rule
+    ours = _megaformer_outputs(trained, 4)
+    diff = _differences(ours, theirs, trained["lines"])
+    print(f"\nbeam 4, megaformer vs CTranslate2: {SENTENCES - len(diff)}/{SENTENCES} identical")
+    for src, a, b in zip(trained["lines"], ours, theirs):
+        if a != b:
+            la, lb = _logprob(trained, src, a), _logprob(trained, src, b)
+            print(f"  {src!r}: megaformer {a!r} (log P {la:.4f}), CTranslate2 {b!r} (log P {lb:.4f})")
+            assert lb > la, (src, a, b)
+    assert len(diff) <= SENTENCES // 20, diff
+
+
+def test_export_of_tp2_checkpoint_equals_export_resharded_to_tp1(trained, tmp_path):
+    tp2 = reshard(trained["step"], tmp_path / "tp2", 2)
+    tp1 = reshard(tp2, tmp_path / "tp1", 1)
+    assert json.loads((tp2 / "meta.json").read_text())["layout"]["tp"] == 2
+    for fmt in ("hf", "safetensors"):
+        a, b = tmp_path / f"{fmt}-from-tp2", tmp_path / f"{fmt}-from-tp1"
+        assert cli.main(["export", "--ckpt", str(tp2), "--out", str(a), "--format", fmt]) == 0
+        assert cli.main(["export", "--ckpt", str(tp1), "--out", str(b), "--format", fmt]) == 0
+        ta, tb = _safetensors(a / "model.safetensors"), _safetensors(b / "model.safetensors")
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), fmt
+        files_a = json.loads((a / "megaformer-export.json").read_text())["files"]
+        files_b = json.loads((b / "megaformer-export.json").read_text())["files"]
+        assert files_a["model.safetensors"] == files_b["model.safetensors"] or fmt == "safetensors"
+
+
+def _safetensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _translate(ckpt, lines: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode())))
+    code = cli.main(["translate", "--ckpt", str(ckpt), "--beam", "2", "--quiet"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_translate_accepts_every_export_and_checkpoint_form(trained, exports, monkeypatch, capsys):
+    lines = trained["lines"][:12]
+    expected = None
+    for ckpt in (
+        trained["pt"],
+        trained["step"],
+        trained["dir"] / "run",
+        *(exports[k] for k in ("hf", "model.safetensors", "sdir")),
+    ):
+        code, out, err = _translate(ckpt, lines, monkeypatch, capsys)
+        assert code == 0, (ckpt, err)
+        expected = expected or out
+        assert out == expected, ckpt
+    for name in ("hf", "model.safetensors", "sdir"):
+        back = load_model_file(exports[name])
+        assert all(torch.equal(back.model[k], trained["model"].model[k]) for k in back.model), name
+    code, _, err = _translate(exports["ct2"], lines, monkeypatch, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "ctranslate2" in err, err
+
+
+def _one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def _flip_one_byte(path, offset_from_end: int = 16) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("target", ["model.safetensors", "sdir/model.safetensors", "hf/model.safetensors"])
+def test_same_size_corruption_is_refused_by_name(trained, exports, tmp_path, monkeypatch, capsys, target):
+    import shutil
+
+    name, _, inner = target.partition("/")
+    copy = tmp_path / name
+    (shutil.copytree if exports[name].is_dir() else shutil.copyfile)(exports[name], copy)
+    damaged = copy / inner if inner else copy
+    _flip_one_byte(damaged)
+    code, _, err = _translate(copy, ["red cat"], monkeypatch, capsys)
+    _one_line_error(code, err, str(damaged), "sha256")
+
+
+def test_existing_output_needs_force_and_the_input_is_never_replaced(trained, tmp_path, capsys):
+    out = tmp_path / "m.safetensors"
+    assert cli.main(["export", "--ckpt", str(trained["pt"]), "--out", str(out)]) == 0
+    before = out.read_bytes()
+    _one_line_error(
+        cli.main(["export", "--ckpt", str(trained["pt"]), "--out", str(out)]), capsys.readouterr().err, "--force"
+    )
+    assert out.read_bytes() == before
+    assert cli.main(["export", "--ckpt", str(trained["pt"]), "--out", str(out), "--force"]) == 0
+    run = trained["dir"] / "run"
+    code = cli.main(["export", "--ckpt", str(trained["step"]), "--out", str(run), "--format", "hf", "--force"])
+    _one_line_error(code, capsys.readouterr().err, "input")
+    assert (trained["step"] / "meta.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+@pytest.mark.parametrize(
+    ("setting", "fragment"),
+    [({"norm": "pre"}, "post-LN"), ({"layernorm_eps": 1e-6}, "1e-5")],
+)
+def test_what_marian_cannot_express_is_refused(trained, tmp_path, capsys, setting, fragment):
+    import dataclasses
+
+    from megaformer.train.checkpoint import save_consolidated
+
+    model = load_consolidated(trained["pt"])
+    model.config.model = dataclasses.replace(model.config.model, **setting)
+    if setting.get("norm") == "pre":
+        d = model.config.model.d_model
+        model.model.update({f"{s}_norm.{p}": torch.ones(d) for s in ("encoder", "decoder") for p in ("weight", "bias")})
+    path = tmp_path / "odd.pt"
+    save_consolidated(path, model)
+    for fmt in ("hf", "ct2"):
+        out = tmp_path / fmt
+        _one_line_error(
+            cli.main(["export", "--ckpt", str(path), "--out", str(out), "--format", fmt]),
+            capsys.readouterr().err,
+            fragment,
+        )
+        assert not out.exists()
+    assert cli.main(["export", "--ckpt", str(path), "--out", str(tmp_path / "ok.safetensors")]) == 0
