@@ -228,7 +228,7 @@ def reshard_check(ckpt: str, tmp: Path) -> dict:
 
     step = resolve_checkpoint(Path(ckpt), log=lambda m: None)
     tp = read_meta(step)["layout"]["tp"]
-    tp1 = reshard(step, tmp / "tp1", 1)
+    tp1 = reshard(step, tmp / "tp1", 1, log=print)
     out = {}
     for label, src in (("original", step), ("tp1", tp1)):
         write_export(load_model_file(src), tmp / f"hf-{label}", "hf")

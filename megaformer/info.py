@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import json
 
-from megaformer.cli_args import existing_file
+from megaformer.cli_args import existing_file, finite_float, nonneg_int, positive_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
 from megaformer.layout_cost import Hardware, step_cost
@@ -131,11 +131,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
-        "--world", type=int, default=0, help="GPUs the layouts are compared for (default: tp x dp, or 32 if dp=0)"
+        "--world",
+        type=nonneg_int,
+        default=0,
+        help="GPUs the layouts are compared for (default: tp x dp, or 32 if dp=0)",
     )
-    p.add_argument("--gpus-per-node", type=int, default=Hardware.gpus_per_node)
-    p.add_argument("--nvlink-gbs", type=float, default=Hardware.nvlink_gbs, help="all-reduce GB/s inside a node")
-    p.add_argument("--nic-gbs", type=float, default=Hardware.nic_gbs, help="inter-node GB/s per GPU")
+    p.add_argument("--gpus-per-node", type=positive_int, default=Hardware.gpus_per_node)
+    p.add_argument(
+        "--nvlink-gbs",
+        type=finite_float(0, lo_open=True),
+        default=Hardware.nvlink_gbs,
+        help="all-reduce GB/s inside a node",
+    )
+    p.add_argument(
+        "--nic-gbs", type=finite_float(0, lo_open=True), default=Hardware.nic_gbs, help="inter-node GB/s per GPU"
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from megaformer.decode.beam import SearchSettings
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer
 from megaformer.decode.translate import translate_ids
 from megaformer.parallel import LOCAL
-from megaformer.train.checkpoint import load_consolidated, reshard, save_checkpoint
+from megaformer.train.checkpoint import CheckpointState, load_consolidated, reshard, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -45,9 +45,8 @@ def trained(tmp_path_factory):
     spm_path = folder / "spm.model"
     meta = {"config": to_dict(model.config), "vocab_size": model.vocab_size, "tokens": 0}
     state = {"param": model.model, **{k: {n: t * 0 for n, t in model.model.items()} for k in ("exp_avg", "exp_avg_sq")}}
-    step = save_checkpoint(
-        folder / "run" / "checkpoints", 300, ParallelContext.single(), state, {}, {}, meta, 2, spm_path
-    )
+    state = CheckpointState(shard=state, run={"engine": {}, "trainer": {"tokens": 0}}, replica={}, rank={})
+    step = save_checkpoint(folder / "run" / "checkpoints", 300, ParallelContext.single(), state, meta, 2, spm_path)
     rng = random.Random(77)
     lines = [random_sentence(rng, 2, 8) for _ in range(SENTENCES)]
     return {"dir": folder, "pt": model_path, "model": model, "step": step, "lines": lines}
@@ -194,8 +193,8 @@ def test_ctranslate2_beam4_matches_the_same_search_and_explains_every_difference
 
 
 def test_export_of_tp2_checkpoint_equals_export_resharded_to_tp1(trained, tmp_path):
-    tp2 = reshard(trained["step"], tmp_path / "tp2", 2)
-    tp1 = reshard(tp2, tmp_path / "tp1", 1)
+    tp2 = reshard(trained["step"], tmp_path / "tp2", 2, log=print)
+    tp1 = reshard(tp2, tmp_path / "tp1", 1, log=print)
     assert json.loads((tp2 / "meta.json").read_text())["layout"]["tp"] == 2
     for fmt in ("hf", "safetensors"):
         a, b = tmp_path / f"{fmt}-from-tp2", tmp_path / f"{fmt}-from-tp1"

@@ -296,7 +296,8 @@ def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
     each skipped checkpoint and the one chosen are announced on stderr (issue 14).
     """
     path = Path(path)
-    if path.is_dir():  # resolve_checkpoint says each skipped checkpoint and the older one it uses
+    exported = (path / "megaformer-export.json").is_file()
+    if path.is_dir() and not exported:  # resolve_checkpoint says each skipped checkpoint and the older one it uses
         path = resolve_checkpoint(path, log=lambda message: print(f"megaformer {command}: {message}", file=sys.stderr))
     return load_model_file(path), path
 

@@ -21,13 +21,19 @@ import argparse
 import sys
 from pathlib import Path
 
+from megaformer.cli_args import existing_path
 from megaformer.export import ExportError
 
 FORMATS = ("safetensors", "hf", "ct2", "pt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ckpt", required=True, help="run directory, checkpoint step directory, model file or export")
+    p.add_argument(
+        "--ckpt",
+        type=existing_path,
+        required=True,
+        help="run directory, checkpoint step directory, model file or export",
+    )
     p.add_argument("--out", required=True, help="file (NAME.safetensors, NAME.pt) or directory to write")
     p.add_argument(
         "--format",
