@@ -95,7 +95,9 @@ class MetricsLogger:
     def log(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps({"kind": prefix, **record}) + "\n")
+        # JSON has no NaN or Infinity: a non-finite value (an fp16 overflow's norm) is written as null.
+        clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self.file.write(json.dumps({"kind": prefix, **clean}, allow_nan=False) + "\n")
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -105,9 +107,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         elapsed = time.monotonic() - self.start
+        loss = "skipped" if r["loss"] is None else f"{r['loss']:.4f}"  # only fp16 overflow steps since the last line
+        norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
         line = (
-            f"step {r['step']:>6d}/{self.max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-            f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
+            f"step {r['step']:>6d}/{self.max_steps} | loss {loss} | lr {r['lr']:.2e} | "
+            f"gnorm {norm} | {r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
             f"epoch {r['epoch']} | {_hms(elapsed)}"
         )
         if r["loss_scale"] != 1.0:

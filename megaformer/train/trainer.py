@@ -236,9 +236,12 @@ class Trainer:
         tokens, flags = reduced[0] / self.ctx.layout.tp, reduced[1:]
         skipped_before = self.engine.skipped_steps
         loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
-        skipped = self.engine.skipped_steps > skipped_before  # an fp16 overflow: DeepSpeed skipped the update
+        # DeepSpeed skips the update on inf/NaN gradients in every precision; only in fp16 is that the
+        # loss scaler's overflow (lower the scale, go on). In fp32 and bf16 it is a diverged run.
+        skipped = self.engine.skipped_steps > skipped_before and self.cfg.train.precision == "fp16"
         norm = self.engine.grad_norm()
-        broken = not skipped and (not math.isfinite(loss) or (norm is not None and not math.isfinite(norm)))
+        non_finite = not math.isfinite(loss) or (norm is not None and not math.isfinite(norm))
+        broken = not skipped and (non_finite or self.engine.skipped_steps > skipped_before)
         loss_sum, broken_ranks = self._world_sum([0.0 if skipped else loss, float(broken)])
         if broken_ranks:
             raise TrainingError(
