@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import sys
@@ -25,7 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., int | None], rank: int, world_size: int, port: int, threads: int, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., int | None], rank: int, world_size: int, port: int, threads: int, args: tuple, errors: Any
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -39,17 +42,41 @@ def _entry(fn: Callable[..., int | None], rank: int, world_size: int, port: int,
     torch.set_num_threads(threads)
     from megaformer.errors import MegaformerError
 
+    report = None
     try:
         code = fn(*args)
     except MegaformerError as err:
-        print(f"rank {rank}: error: {err}", file=sys.stderr)
-        code = 2
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+        code, report = 2, (f"error: {err}", f"error: {err}")
+    except BaseException as err:  # a bug or a lost peer: the launcher decides what to show
+        code, report = (
+            1,
+            (traceback.format_exc().rstrip(), f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"),
+        )
+    if report is not None:
+        errors.put((time.time(), rank, *report))
+    errors.close()
+    errors.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code or 0))
+
+
+def report_failures(reports: list[tuple[float, int, str, str]], codes: list[int | None], log=print) -> None:
+    """Print the failures of a run so that the first failing rank's message is the last line.
+
+    Ranks that failed later (typically gloo's "Connection closed by peer" after the first one
+    died) get one line each, before it; a rank killed by a signal is named with the signal.
+    """
+    reports = sorted(reports)
+    reported = {rank for _, rank, _, _ in reports}
+    for rank, code in enumerate(codes):
+        if code is not None and code < 0 and rank not in reported:
+            log(f"rank {rank}: killed by signal {signal.Signals(-code).name}")
+    for _, rank, _, short in reports[1:]:
+        log(f"rank {rank}: stopped after rank {reports[0][1]} failed ({short.strip()})")
+    if reports:
+        _, rank, full, _ = reports[0]
+        log(f"rank {rank} failed first: {full}")
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
@@ -62,8 +89,9 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     threads = max(1, (os.cpu_count() or 1) // world_size)
     port = free_port()
     ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, threads, args), daemon=False)
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, threads, args, errors), daemon=False)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -100,6 +128,13 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
                 p.kill()
                 p.join()
     codes = [p.exitcode for p in procs]
+    reports = []
+    while True:
+        try:
+            reports.append(errors.get(timeout=0.2))
+        except queue.Empty:
+            break
+    report_failures(reports, codes, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:
         worst = max((abs(c) for c in codes if c), default=0)
     return worst

@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "translate": ("megaformer.decode.translate", "translate raw text with a checkpoint or model file (beam search)"),
     "evaluate": ("megaformer.decode.evaluate_command", "translate a test set and score it with sacreBLEU and chrF"),
     "average": ("megaformer.decode.average_command", "average the parameters of several checkpoints, as in the paper"),
+    "env": ("launcher.envinfo", "the launch environment megaformer resolved: rank, nodes, master, device"),
 }
 
 
