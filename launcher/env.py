@@ -88,6 +88,8 @@ def parse_hostlist(hostlist: str) -> list[str]:
     ``rack[1-2]-node[01-02]`` -> rack1-node01 rack1-node02 rack2-node01 rack2-node02;
     ``node[1-2]-ib`` -> node1-ib node2-ib; ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1.
     A range keeps the width of its lower bound (``[098-101]`` -> 098 099 100 101).
+    With three or more bracket groups Slurm 22.05 uses an order of its own (``a[1-2]b[1-2]c[1-2]``:
+    a1b1c1 a1b1c2 a2b1c1 ...); the hosts and the first host (the master) are the same.
     """
     hosts: list[str] = []
     for expr in _split_top(hostlist):
@@ -106,7 +108,7 @@ def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
     scontrol = scontrol if scontrol is not None else shutil.which("scontrol")
     if scontrol:
         try:
-            proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+            proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
             if proc.returncode == 0 and proc.stdout.split():
                 return proc.stdout.split()
         except (OSError, subprocess.TimeoutExpired):

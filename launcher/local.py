@@ -1,9 +1,21 @@
 """Start N local processes (gloo on a CPU), one per rank, and wait for all of them.
 
 Used when a multi-rank command (``megaformer parity``, ``megaformer train --nproc N``,
-the tests) runs outside any launcher. Each child gets the variables torchrun would
-set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). If one rank fails, the
-others are stopped instead of waiting forever in a collective.
+``translate``/``evaluate --tp N``, the tests) runs outside any launcher. Each child gets
+the variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+If one rank fails, the others are stopped instead of waiting forever in a collective, and
+the first failing rank's message is printed last, on one line, after one line per peer
+(instead of the peers' gloo "Connection closed by peer" tracebacks burying it).
+
+Why not torch's elastic launch API (``torch.distributed.launcher.api.elastic_launch``, what
+torchrun runs)? Tried on the two-node test cluster (tests/test_slurm_cluster.py, torchrun
+under srun): its agent turns SIGTERM/SIGINT into a shutdown of the workers (they save) and
+stops the others when one fails, but it does not handle SIGUSR1 -- the signal SLURM's
+``--signal`` sends before a time limit or preemption -- and dies of it, leaving its workers
+(each in a session of its own) to notice on their own (``train/signals.py``). It offers no
+hook to forward a signal to the workers, and its failure report is a multi-line table after
+the workers' tracebacks. This launcher forwards TERM, INT and USR1 to every rank, so
+``megaformer train --nproc N`` saves and requeues on USR1 like ``srun`` does.
 """
 
 from __future__ import annotations
@@ -107,6 +119,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
                 os.kill(p.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
     worst = 0
     try:
@@ -119,6 +132,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for p in procs:
             if p.is_alive():
                 p.terminate()

@@ -15,9 +15,10 @@
 # Threads: each task gets --cpus-per-task cores from srun (Slurm 22.05+ does not pass the job's
 # value on to srun by itself) and OMP_NUM_THREADS is the same number, so no task oversubscribes.
 #
-# Under LAUNCHER=torchrun the warning signal reaches torchrun, which stops its ranks with SIGTERM
-# (torchrun does not pass USR1 on): the ranks save but do not requeue. For USR1 requeue semantics
-# use the default LAUNCHER=srun; see README "Try the SLURM path on one machine".
+# Under LAUNCHER=torchrun, torchrun sits between srun and the ranks. By default it does not handle
+# USR1 and dies of it (its ranks then see their launcher gone, save and exit without requeueing):
+# `--signals-to-handle ...SIGUSR1` makes it pass USR1 on, so the ranks save and requeue as under
+# srun, and TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives them time to save before it kills them.
 
 set -euo pipefail
 
@@ -36,11 +37,18 @@ echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${S
 
 TRAIN=(-m megaformer.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@")
 case "$LAUNCHER" in
-srun) srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" "$PYTHON" "${TRAIN[@]}" & ;;
+srun)
+    # Each task ignores USR1 until the trainer handles it (an early warning must not kill a rank
+    # that is still starting); the trap below repeats the warning until srun is done.
+    # shellcheck disable=SC2016  # expanded by the task's shell
+    srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" "${TRAIN[@]}" &
+    ;;
 torchrun)
     PER_NODE=${SLURM_NTASKS_PER_NODE:-1}
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
     srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$((CPUS * PER_NODE))" \
         "$PYTHON" -m torch.distributed.run --nnodes "${SLURM_JOB_NUM_NODES:-1}" --nproc-per-node "$PER_NODE" \
+        --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "${NODES%%,*}:$((20000 + SLURM_JOB_ID % 20000))" \
         "${TRAIN[@]}" &
     ;;
@@ -53,7 +61,19 @@ SRUN_PID=$!
 
 # shellcheck disable=SC2329  # called from the traps below
 forward() { kill -s "$1" "$SRUN_PID" 2>/dev/null || true; }
-trap 'forward USR1' USR1
+REPEATING=0
+# shellcheck disable=SC2329
+warn() {
+    forward USR1
+    # SLURM may send the warning up to a minute early, while ranks are still starting (and
+    # ignoring it): repeat it every 5 s until srun is done. torchrun passes each on (and would
+    # treat a second one during its shutdown as another signal), so it gets one.
+    if [ "$LAUNCHER" = srun ] && [ "$REPEATING" = 0 ]; then
+        REPEATING=1
+        (while sleep 5 && kill -0 "$SRUN_PID" 2>/dev/null; do forward USR1; done) &
+    fi
+}
+trap warn USR1
 trap 'forward TERM' TERM
 
 # `wait` returns early when a trapped signal arrives: keep waiting until srun is gone.

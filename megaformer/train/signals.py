@@ -31,6 +31,20 @@ NONE, REQUEUE, TERMINATE = 0, 1, 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
+HANDLED = {signal.SIGUSR1, signal.SIGTERM}
+
+
+def hold_signals() -> None:
+    """Block USR1 and TERM from start-up until :class:`SignalWatch` handles them.
+
+    A warning that arrives while a rank is still importing or building its engine would
+    otherwise kill it (USR1's default action). Blocked, it stays pending and reaches the
+    handler the moment the watch starts: the rank trains a step, saves and requeues.
+    The mask is inherited by processes started meanwhile (local ranks unblock in their watch).
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+
+
 class SignalWatch:
     """Records USR1/TERM in the handler (and the launcher's death in a watchdog thread);
     the trainer agrees on :attr:`received` across ranks between steps."""
@@ -41,6 +55,7 @@ class SignalWatch:
         self._previous = {}
         for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE)):
             self._previous[sig] = signal.signal(sig, lambda *_, w=what: self._note(w))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # a signal held since start-up arrives now
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
             target=self._watch_parent, args=(os.getppid(), parent_grace_s, poll_s), name="parent-watchdog", daemon=True
