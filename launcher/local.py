@@ -8,14 +8,17 @@ the first failing rank's message is printed last, on one line, after one line pe
 (instead of the peers' gloo "Connection closed by peer" tracebacks burying it).
 
 Why not torch's elastic launch API (``torch.distributed.launcher.api.elastic_launch``, what
-torchrun runs)? Tried on the two-node test cluster (tests/test_slurm_cluster.py, torchrun
-under srun): its agent turns SIGTERM/SIGINT into a shutdown of the workers (they save) and
-stops the others when one fails, but it does not handle SIGUSR1 -- the signal SLURM's
-``--signal`` sends before a time limit or preemption -- and dies of it, leaving its workers
-(each in a session of its own) to notice on their own (``train/signals.py``). It offers no
-hook to forward a signal to the workers, and its failure report is a multi-line table after
-the workers' tracebacks. This launcher forwards TERM, INT and USR1 to every rank, so
-``megaformer train --nproc N`` saves and requeues on USR1 like ``srun`` does.
+torchrun runs)? Tried (torch 2.13, two local workers): a failing worker does stop the others,
+and with ``signals_to_handle=...SIGUSR1`` the agent passes USR1 on -- as a "death signal":
+it then waits ``shutdown_timeout`` and SIGKILLs, and ``elastic_launch`` raises
+``SignalException`` without the workers' exit statuses, so a caller cannot tell "saved and
+requeued" (0) from "failed". A worker failure comes back as a ``ChildFailedError`` table after
+every worker's traceback, each line prefixed by the logger -- the opposite of one clear line.
+Without ``signals_to_handle`` it dies of USR1 and leaves its workers running (measured in
+issue 9; the cluster test runs torchrun that way). So this launcher stays: it forwards TERM,
+INT and USR1 to every rank and waits for them, and ``megaformer train --nproc N`` saves and
+requeues on USR1 like ``srun`` does. torchrun remains the way to start ranks on several nodes
+(``slurm/common.sh`` ``LAUNCHER=torchrun``, with ``--signals-to-handle``).
 """
 
 from __future__ import annotations

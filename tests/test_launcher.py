@@ -138,3 +138,59 @@ def test_local_processes_get_distinct_local_ranks(tmp_path):
     """Item 4: ranks started by launcher.local (translate/evaluate --tp N) see distinct local ranks."""
     assert spawn(_local_rank_of, 2, str(tmp_path)) == 0
     assert [Path(tmp_path, f"rank{r}").read_text() for r in range(2)] == ["0", "1"]
+
+
+def test_gpu_binding_follows_what_the_task_sees(monkeypatch):
+    """Item 8: one visible GPU (--gpus-per-task, --gpu-bind) -> cuda:0, else cuda:<local rank>."""
+    import torch
+
+    from megaformer.parallel.groups import pick_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("nccl", 3) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert pick_device("nccl", 3) == torch.device("cuda", 3)
+    assert pick_device("gloo", 3) == torch.device("cpu")
+
+
+def test_process_group_timeout_comes_from_the_config(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from megaformer.config import ParallelConfig
+    from megaformer.parallel.groups import ParallelContext
+
+    seen = {}
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(RuntimeError, match="stop here"):
+        ParallelContext.initialize(ParallelConfig(timeout_minutes=2.5, backend="gloo"), 0, 2)
+    assert seen["timeout"] == datetime.timedelta(minutes=2.5)
+
+
+def _destroy_keeps_callers_world() -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megaformer.config import ParallelConfig
+    from megaformer.parallel.groups import ParallelContext
+
+    dist.init_process_group("gloo", init_method="env://")
+    ctx = ParallelContext.initialize(ParallelConfig(tp=2, backend="gloo"), dist.get_rank(), 2)
+    assert not ctx.owns_world and len(ctx.groups) == 3
+    ctx.destroy()
+    assert dist.is_initialized()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the caller's default group still works
+    assert t.item() == 2
+    dist.destroy_process_group()
+    return 0
+
+
+def test_destroy_ends_only_what_the_context_created():
+    assert spawn(_destroy_keeps_callers_world, 2, timeout_s=240) == 0
