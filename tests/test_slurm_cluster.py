@@ -87,6 +87,19 @@ class Cluster:
         text = self.slurm("scontrol", "show", "job", "-o", job)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
+    def restart_now(self, job: str, timeout: float = 240) -> None:
+        """Wait until ``job`` has been requeued once, then let it start at once: SLURM holds a
+        requeued job back for about two minutes (an operator can do the same)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job)
+            if info.get("Restarts") == "1" and info.get("JobState") in {"PENDING", "RUNNING"}:
+                break
+            assert time.monotonic() < deadline, f"job {job} not requeued after {timeout} s: {info}"
+            time.sleep(0.5)
+        if info["JobState"] == "PENDING":
+            self.slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+
     def wait_state(self, job: str, states: set[str], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -140,17 +153,14 @@ def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, referenc
     # The warning is due 10 s in (SLURM may send it up to a minute early): before or during the
     # ranks' start-up, which they survive; they take it at the end of their first step.
     job, run, out = cluster.submit("preempted", "--time=3", "--signal=B:USR1@170")
-    deadline = time.monotonic() + 180
-    while cluster.job(job).get("Restarts") != "1":
-        assert time.monotonic() < deadline, out.read_text()[-3000:]
-        time.sleep(0.5)
+    cluster.restart_now(job)
     # The second attempt would be warned again 10 s in; a longer limit lets it finish (the job
     # requeued itself once).
     cluster.slurm("scontrol", "update", f"JobId={job}", "TimeLimit=10")
     info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
-    assert log.count("requeued)") == 1 and "(restart 1)" in log, log[-3000:]
+    assert log.count("(requeued)") == 1 and "(restart 1)" in log, log[-3000:]
     assert "train: resumed from" in log, log[-3000:]
     assert losses(run) == losses(reference[0])  # fp32, dropout on: bitwise the uninterrupted curve
 
@@ -160,7 +170,7 @@ def test_scancel_saves_and_operator_requeue_resumes(cluster):
     job, run, out = cluster.submit("operator", steps=10_000)
     wait_step(run, 5)
     cluster.slurm("scontrol", "requeue", job)
-    cluster.wait_state(job, {"RUNNING"}, timeout=120)
+    cluster.restart_now(job)
     wait_step(run, max(saved_steps(run), default=0) + 5)
     first = saved_steps(run)
     assert first, out.read_text()[-3000:]
@@ -209,11 +219,12 @@ def test_signal_to_every_process_requeues_once(cluster):
     job, run, out = cluster.submit("allsignal", steps=60)
     wait_step(run, 3)
     cluster.slurm("scancel", "--signal=USR1", job)
+    cluster.restart_now(job)
     info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
     log = out.read_text()
     assert "is killed by signal" not in log, log[-3000:]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
-    assert log.count("requeued)") == 1, log[-3000:]
+    assert log.count("(requeued)") == 1, log[-3000:]
 
 
 def _pids(node: str, *needles: str) -> list[int]:
@@ -240,10 +251,7 @@ def test_torchrun_across_nodes_usr1_requeues_and_ranks_die_with_it(cluster):
     assert "tp=2 dp=2" in log
     assert re.search(r"parallel: tp=2 dp=2; n(\d): ranks 0,1; n(?!\1)\d: ranks 2,3", log), log[-3000:]
     cluster.slurm("scancel", "--signal=USR1", job)  # to the step's tasks: the two torchrun processes
-    deadline = time.monotonic() + 180
-    while cluster.job(job).get("Restarts") != "1":
-        assert time.monotonic() < deadline, out.read_text()[-3000:]
-        time.sleep(0.5)
+    cluster.restart_now(job)
     first = saved_steps(run)
     assert first, out.read_text()[-3000:]
     wait_step(run, first[-1] + 3)
@@ -259,6 +267,6 @@ def test_torchrun_across_nodes_usr1_requeues_and_ranks_die_with_it(cluster):
         time.sleep(0.5)
     took = time.monotonic() - started
     log = out.read_text()
-    assert log.count("requeued)") == 1 and "train: resumed from" in log, log[-3000:]
+    assert log.count("(requeued)") == 1 and "train: resumed from" in log, log[-3000:]
     assert "is gone: saving and stopping" in log, log[-3000:]
     assert took < 150 and info["JobState"] in {"FAILED", "COMPLETED"}, log[-3000:]

@@ -100,7 +100,14 @@ def requeue(made_progress: bool, log=print) -> bool:
     if scontrol is None:
         log("signal: scontrol not found on PATH: cannot requeue")
         return False
-    proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)
+    # An accepted requeue makes SLURM end the job's processes at once with SIGTERM, scontrol
+    # included: it ignores TERM so that it can report the answer (SIGKILL comes only after KillWait).
+    proc = subprocess.run(
+        [scontrol, "requeue", job],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+    )
     if proc.returncode != 0:
         log(f"signal: scontrol requeue {job} failed: {proc.stderr.strip() or proc.returncode}")
         return False
