@@ -16,13 +16,19 @@
 # remounts /sys, which hides /sys/fs/cgroup, and slurmd then refuses to start.
 # munged runs with its own key and socket, and slurm.conf is written to $STATE (SLURM_CONF).
 #
-# Variables: MF_SLURM_STATE (default /tmp/megaformer-testcluster), MF_SLURM_NET (default 10.77.0).
+# Variables: MF_SLURM_PREFIX (namespace names, default mfsl; at most 8 characters), MF_SLURM_STATE
+# (default /tmp/megaformer-testcluster, with the prefix appended when it is not the default),
+# MF_SLURM_NET (default 10.77.0). Clusters with different prefixes run side by side: every
+# address lives inside that cluster's own namespaces.
 
 set -euo pipefail
 
-STATE=${MF_SLURM_STATE:-/tmp/megaformer-testcluster}
+PREFIX=${MF_SLURM_PREFIX:-mfsl}
+[ ${#PREFIX} -le 8 ] || { echo "testcluster: MF_SLURM_PREFIX=$PREFIX: at most 8 characters" >&2; exit 1; }
+DEFAULT_STATE=/tmp/megaformer-testcluster
+[ "$PREFIX" = mfsl ] || DEFAULT_STATE=$DEFAULT_STATE-$PREFIX
+STATE=${MF_SLURM_STATE:-$DEFAULT_STATE}
 NET=${MF_SLURM_NET:-10.77.0}
-PREFIX=mfsl
 NODES=(n1 n2)
 CTL_ADDR=$NET.1
 CTL_HOST=$(hostname)

@@ -25,6 +25,8 @@ CLUSTER = ROOT / "slurm" / "testcluster.sh"
 STEPS = 80  # the reference length: ~15 s of training on 2 idle cores
 COMMON = ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512", "--set", "train.log_interval=1"]
 COMMON += ["--set", "train.eval_interval=0", "--set", "data.num_workers=1", "--set", "parallel.timeout_minutes=1"]
+# Namespace names of this session's cluster: its own, so that two sessions cannot take each other's down.
+PREFIX = f"mft{os.getpid() % 100000}"
 
 
 def _unavailable(reason: str):
@@ -40,7 +42,7 @@ def cluster(tmp_path_factory):
         _unavailable("needs root (network namespaces and daemons)")
     if shutil.which("nsenter") is None or shutil.which("ip") is None:
         _unavailable("nsenter / ip (util-linux, iproute2) are not installed")
-    subprocess.run([str(CLUSTER), "down"], capture_output=True)  # a previous session killed mid-way
+    os.environ["MF_SLURM_PREFIX"] = PREFIX
     up = subprocess.run([str(CLUSTER), "up"], capture_output=True, text=True, timeout=300)
     if up.returncode != 0:
         _unavailable((up.stderr.strip().splitlines() or ["slurm/testcluster.sh up failed"])[-1])
@@ -53,8 +55,9 @@ def cluster(tmp_path_factory):
     finally:
         down = subprocess.run([str(CLUSTER), "down"], capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stderr
-        assert "mfsl" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert subprocess.run(["pgrep", "-x", "slurmd"], capture_output=True).returncode == 1
+        assert PREFIX not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        left = subprocess.run(["pgrep", "-f", f"testcluster-{PREFIX}/"], capture_output=True, text=True).stdout
+        assert not left, f"processes left behind: {left}"
 
 
 class Cluster:
@@ -229,7 +232,7 @@ def test_signal_to_every_process_requeues_once(cluster):
 
 def _pids(node: str, *needles: str) -> list[int]:
     """Pids of the processes in a node's namespace whose command line holds every needle."""
-    pids = subprocess.run(["ip", "netns", "pids", f"mfsl{node}"], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}{node}"], capture_output=True, text=True).stdout.split()
     found = []
     for pid in pids:
         try:
