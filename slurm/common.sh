@@ -46,8 +46,10 @@ srun)
 torchrun)
     PER_NODE=${SLURM_NTASKS_PER_NODE:-1}
     export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
-    srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task="$((CPUS * PER_NODE))" \
-        "$PYTHON" -m torch.distributed.run --nnodes "${SLURM_JOB_NUM_NODES:-1}" --nproc-per-node "$PER_NODE" \
+    NNODES=${SLURM_JOB_NUM_NODES:-1}
+    srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+        --cpus-per-task="$((CPUS * PER_NODE))" \
+        "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$PER_NODE" \
         --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "${NODES%%,*}:$((20000 + SLURM_JOB_ID % 20000))" \
         "${TRAIN[@]}" &
