@@ -246,6 +246,8 @@ def _pids(node: str, *needles: str) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
+        if Path(cmd.split("\0")[0]).name == "srun":  # srun's own command line names what it starts
+            continue
         if all(n in cmd for n in needles):
             found.append(int(pid))
     return found
