@@ -103,12 +103,12 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job)
-            if info.get("Restarts") == "1" and info.get("JobState") in {"PENDING", "RUNNING"}:
-                break
-            assert time.monotonic() < deadline, f"job {job} not requeued after {timeout} s: {info}"
-            time.sleep(0.5)
-        if info["JobState"] == "PENDING":
-            self.slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+            if info.get("Restarts") == "1" and info.get("JobState") == "RUNNING":
+                return
+            if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":  # until SLURM takes it
+                self.slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+            assert time.monotonic() < deadline, f"job {job} not requeued and restarted after {timeout} s: {info}"
+            time.sleep(1)
 
     def wait_state(self, job: str, states: set[str], timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
