@@ -97,7 +97,7 @@ class Cluster:
         text = self.slurm("scontrol", "show", "job", "-o", job)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
-    def restart_now(self, job: str, timeout: float = 240) -> None:
+    def restart_now(self, job: str, timeout: float = 240, *update: str) -> None:
         """Wait until ``job`` has been requeued once, then let it start at once: SLURM holds a
         requeued job back for about two minutes (an operator can do the same)."""
         deadline = time.monotonic() + timeout
@@ -106,7 +106,7 @@ class Cluster:
             if info.get("Restarts") == "1" and info.get("JobState") == "RUNNING":
                 return
             if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":  # until SLURM takes it
-                self.slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+                self.slurm("scontrol", "update", f"JobId={job}", *update, "StartTime=now", check=False)
             assert time.monotonic() < deadline, f"job {job} not requeued and restarted after {timeout} s: {info}"
             time.sleep(1)
 
@@ -163,10 +163,9 @@ def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, referenc
     # The warning is due 10 s in (SLURM may send it up to a minute early): before or during the
     # ranks' start-up, which they survive; they take it at the end of their first step.
     job, run, out = cluster.submit("preempted", "--time=3", "--signal=B:USR1@170")
-    cluster.restart_now(job)
     # The second attempt would be warned again 10 s in; a longer limit lets it finish (the job
     # requeued itself once).
-    cluster.slurm("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+    cluster.restart_now(job, 240, "TimeLimit=10")
     info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
