@@ -8,13 +8,20 @@
 
 The result is exported as the variables torchrun would set, so ``torch.distributed``'s
 ``env://`` initialisation works the same everywhere. This is the one place that reads
-the environment: nothing below ``megaformer/`` does.
+the launch environment. Below ``megaformer/``, ``train/signals.py`` reads ``SLURM_JOB_ID``
+(the job to requeue), ``parity.py`` reads the variables exported here, and ``demo.py`` passes
+the environment on to its child processes; nothing else does.
+
+Host lists come from ``scontrol show hostnames`` where SLURM is installed, and from
+:func:`parse_hostlist` (every form SLURM documents) where it is not.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 from megaformer.errors import ConfigError
@@ -40,21 +47,73 @@ class RankInfo:
         )
 
 
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand SLURM's compact host list: ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1."""
-    hosts: list[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
-        prefix, ranges = match.group(1), match.group(2)
-        if ranges is None:
-            hosts.append(prefix)
+def _split_top(text: str) -> list[str]:
+    """Split at the commas that are outside brackets: ``a[1,2],b`` -> ``a[1,2]``, ``b``."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise ConfigError(f"host list {text!r}: unbalanced or nested brackets")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ConfigError(f"host list {text!r}: unbalanced brackets")
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_range(body: str, hostlist: str) -> list[str]:
+    """``01-03,7`` -> 01 02 03 7: each range keeps the width of its lower bound (zero padding)."""
+    values: list[str] = []
+    for part in body.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ConfigError(f"host list {hostlist!r}: bad range {part!r}")
+        if not sep:
+            values.append(lo)
             continue
-        for part in ranges.split(","):
-            if "-" in part:
-                lo, hi = part.split("-", 1)
-                hosts.extend(f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
-            else:
-                hosts.append(prefix + part)
-    return [h for h in (h.strip() for h in hosts) if h]
+        if int(hi) < int(lo):
+            raise ConfigError(f"host list {hostlist!r}: range {part!r} runs backwards")
+        values.extend(f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1))
+    return values
+
+
+def parse_hostlist(hostlist: str) -> list[str]:
+    """Expand SLURM's compact host list without SLURM, in SLURM's order.
+
+    Commas outside brackets separate host expressions; inside brackets they separate
+    ranges. An expression may hold several bracket groups, with text before, between and
+    after them, and expands to their product, the leftmost varying slowest:
+    ``rack[1-2]-node[01-02]`` -> rack1-node01 rack1-node02 rack2-node01 rack2-node02;
+    ``node[1-2]-ib`` -> node1-ib node2-ib; ``gpu[01-03,07],login1`` -> gpu01 gpu02 gpu03 gpu07 login1.
+    A range keeps the width of its lower bound (``[098-101]`` -> 098 099 100 101).
+    With three or more bracket groups Slurm 22.05 uses an order of its own (``a[1-2]b[1-2]c[1-2]``:
+    a1b1c1 a1b1c2 a2b1c1 ...); the hosts and the first host (the master) are the same.
+    """
+    hosts: list[str] = []
+    for expr in _split_top(hostlist):
+        names = [""]
+        for text, body in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", expr):
+            names = [n + text for n in names]
+            if body:
+                names = [n + v for n in names for v in _expand_range(body, hostlist)]
+        hosts.extend(names)
+    return hosts
+
+
+def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
+    """The host names of a SLURM node list: ``scontrol show hostnames`` where SLURM is installed
+    (it knows every form its own version writes), :func:`parse_hostlist` where it is not."""
+    scontrol = scontrol if scontrol is not None else shutil.which("scontrol")
+    if scontrol:
+        try:
+            proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
+            if proc.returncode == 0 and proc.stdout.split():
+                return proc.stdout.split()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return parse_hostlist(nodelist)
 
 
 def _int(env: dict, name: str) -> int:

@@ -1,15 +1,31 @@
 """Start N local processes (gloo on a CPU), one per rank, and wait for all of them.
 
 Used when a multi-rank command (``megaformer parity``, ``megaformer train --nproc N``,
-the tests) runs outside any launcher. Each child gets the variables torchrun would
-set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). If one rank fails, the
-others are stopped instead of waiting forever in a collective.
+``translate``/``evaluate --tp N``, the tests) runs outside any launcher. Each child gets
+the variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+If one rank fails, the others are stopped instead of waiting forever in a collective, and
+the first failing rank's message is printed last, on one line, after one line per peer
+(instead of the peers' gloo "Connection closed by peer" tracebacks burying it).
+
+Why not torch's elastic launch API (``torch.distributed.launcher.api.elastic_launch``, what
+torchrun runs)? Tried (torch 2.13, two local workers): a failing worker does stop the others,
+and with ``signals_to_handle=...SIGUSR1`` the agent passes USR1 on -- as a "death signal":
+it then waits ``shutdown_timeout`` and SIGKILLs, and ``elastic_launch`` raises
+``SignalException`` without the workers' exit statuses, so a caller cannot tell "saved and
+requeued" (0) from "failed". A worker failure comes back as a ``ChildFailedError`` table after
+every worker's traceback, each line prefixed by the logger -- the opposite of one clear line.
+Without ``signals_to_handle`` it dies of USR1 and leaves its workers running (measured in
+issue 9; the cluster test runs torchrun that way). So this launcher stays: it forwards TERM,
+INT and USR1 to every rank and waits for them, and ``megaformer train --nproc N`` saves and
+requeues on USR1 like ``srun`` does. torchrun remains the way to start ranks on several nodes
+(``slurm/common.sh`` ``LAUNCHER=torchrun``, with ``--signals-to-handle``).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import signal
 import socket
 import sys
@@ -25,7 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., int | None], rank: int, world_size: int, port: int, threads: int, args: tuple) -> None:
+def _entry(
+    fn: Callable[..., int | None], rank: int, world_size: int, port: int, threads: int, args: tuple, errors: Any
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -39,17 +57,41 @@ def _entry(fn: Callable[..., int | None], rank: int, world_size: int, port: int,
     torch.set_num_threads(threads)
     from megaformer.errors import MegaformerError
 
+    report = None
     try:
         code = fn(*args)
     except MegaformerError as err:
-        print(f"rank {rank}: error: {err}", file=sys.stderr)
-        code = 2
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+        code, report = 2, (f"error: {err}", f"error: {err}")
+    except BaseException as err:  # a bug or a lost peer: the launcher decides what to show
+        code, report = (
+            1,
+            (traceback.format_exc().rstrip(), f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"),
+        )
+    if report is not None:
+        errors.put((time.time(), rank, *report))
+    errors.close()
+    errors.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code or 0))
+
+
+def report_failures(reports: list[tuple[float, int, str, str]], codes: list[int | None], log=print) -> None:
+    """Print the failures of a run so that the first failing rank's message is the last line.
+
+    Ranks that failed later (typically gloo's "Connection closed by peer" after the first one
+    died) get one line each, before it; a rank killed by a signal is named with the signal.
+    """
+    reports = sorted(reports)
+    reported = {rank for _, rank, _, _ in reports}
+    for rank, code in enumerate(codes):
+        if code is not None and code < 0 and rank not in reported:
+            log(f"rank {rank}: killed by signal {signal.Signals(-code).name}")
+    for _, rank, _, short in reports[1:]:
+        log(f"rank {rank}: stopped after rank {reports[0][1]} failed ({short.strip()})")
+    if reports:
+        _, rank, full, _ = reports[0]
+        log(f"rank {rank} failed first: {full}")
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
@@ -62,8 +104,9 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     threads = max(1, (os.cpu_count() or 1) // world_size)
     port = free_port()
     ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
     procs = [
-        ctx.Process(target=_entry, args=(fn, rank, world_size, port, threads, args), daemon=False)
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, threads, args, errors), daemon=False)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -79,6 +122,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
                 os.kill(p.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
     worst = 0
     try:
@@ -91,6 +135,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -100,6 +145,13 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
                 p.kill()
                 p.join()
     codes = [p.exitcode for p in procs]
+    reports = []
+    while True:
+        try:
+            reports.append(errors.get(timeout=0.2))
+        except queue.Empty:
+            break
+    report_failures(reports, codes, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:
         worst = max((abs(c) for c in codes if c), default=0)
     return worst

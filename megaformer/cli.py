@@ -58,6 +58,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("translate", "megaformer.decode.translate", "translate raw text with a checkpoint or model file"),
     Command("evaluate", "megaformer.decode.evaluate_command", "translate a test set and score it (BLEU, chrF)"),
     Command("average", "megaformer.decode.average_command", "average the parameters of several checkpoints"),
+    Command("env", "launcher.envinfo", "the launch environment megaformer resolved: rank, nodes, master, device"),
 )
 
 

@@ -45,6 +45,7 @@ class ParallelConfig:
     dropout_rng: str = "exact"  # "exact": masks independent of tp; "fast": per-rank masks on split tensors
     vocab_multiple: int = 128  # vocabulary padded to a multiple of lcm(this, tp * 8)
     backend: str = "auto"  # "auto" = nccl with CUDA, gloo otherwise
+    timeout_minutes: float = 10.0  # a collective waiting longer fails (a lost rank ends the job instead of a hang)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared by train_big.sh and train_base.sh; sourced, not run.
+# Shared by train_big.sh, train_base.sh and train_tiny.sh; sourced, not run.
 #
 # One run directory per job: runs/<job name>-<job id>. A requeued job keeps its id, so
 # `--resume auto` finds the checkpoint the previous attempt saved. `--signal=B:USR1@180`
@@ -8,8 +8,17 @@
 # without a warning) is passed on the same way; the trainer saves and does not requeue.
 #
 # Variables (all optional): CONFIG, RUN_DIR, PYTHON (default .venv/bin/python),
-# TORCH_EXTENSIONS_DIR; arguments after the script name go to `megaformer train`,
-# e.g. `sbatch slurm/train_big.sh --set data.path=/data/wmt14_en_de`.
+# TORCH_EXTENSIONS_DIR, LAUNCHER (srun: one task per rank, the default; torchrun: srun starts one
+# torchrun per node, which starts the node's ranks); arguments after the script name go to
+# `megaformer train`, e.g. `sbatch slurm/train_big.sh --set data.path=/data/wmt14_en_de`.
+#
+# Threads: each task gets --cpus-per-task cores from srun (Slurm 22.05+ does not pass the job's
+# value on to srun by itself) and OMP_NUM_THREADS is the same number, so no task oversubscribes.
+#
+# Under LAUNCHER=torchrun, torchrun sits between srun and the ranks. By default it does not handle
+# USR1 and dies of it (its ranks then see their launcher gone, save and exit without requeueing):
+# `--signals-to-handle ...SIGUSR1` makes it pass USR1 on, so the ranks save and requeue as under
+# srun, and TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives them time to save before it kills them.
 
 set -euo pipefail
 
@@ -19,17 +28,54 @@ cd "${SLURM_SUBMIT_DIR:-$PWD}"
 RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megaformer}-${SLURM_JOB_ID}}
 PYTHON=${PYTHON:-.venv/bin/python}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+CPUS=${SLURM_CPUS_PER_TASK:-1}
+export OMP_NUM_THREADS=$CPUS
+LAUNCHER=${LAUNCHER:-srun}
 mkdir -p "$RUN_DIR"
-echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s), run dir ${RUN_DIR}"
+NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, || true)
+echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s) [${NODES}], launcher ${LAUNCHER}, run dir ${RUN_DIR}"
 
-srun --kill-on-bad-exit=1 "$PYTHON" -m megaformer.cli train \
-    --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@" &
+TRAIN=(-m megaformer.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@")
+case "$LAUNCHER" in
+srun)
+    # Each task ignores USR1 until the trainer handles it (an early warning must not kill a rank
+    # that is still starting); the trap below repeats the warning until srun is done.
+    # shellcheck disable=SC2016  # expanded by the task's shell
+    srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" "${TRAIN[@]}" &
+    ;;
+torchrun)
+    PER_NODE=${SLURM_NTASKS_PER_NODE:-1}
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
+    NNODES=${SLURM_JOB_NUM_NODES:-1}
+    srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+        --cpus-per-task="$((CPUS * PER_NODE))" \
+        "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$PER_NODE" \
+        --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+        --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "${NODES%%,*}:$((20000 + SLURM_JOB_ID % 20000))" \
+        "${TRAIN[@]}" &
+    ;;
+*)
+    echo "megaformer: LAUNCHER=$LAUNCHER: use srun or torchrun" >&2
+    exit 2
+    ;;
+esac
 SRUN_PID=$!
 
 # shellcheck disable=SC2329  # called from the traps below
 forward() { kill -s "$1" "$SRUN_PID" 2>/dev/null || true; }
-trap 'forward USR1' USR1
+REPEATING=0
+# shellcheck disable=SC2329
+warn() {
+    forward USR1
+    # SLURM may send the warning up to a minute early, while ranks are still starting (and
+    # ignoring it): repeat it every 5 s until srun is done. torchrun passes each on (and would
+    # treat a second one during its shutdown as another signal), so it gets one.
+    if [ "$LAUNCHER" = srun ] && [ "$REPEATING" = 0 ]; then
+        REPEATING=1
+        (while sleep 5 && kill -0 "$SRUN_PID" 2>/dev/null; do forward USR1; done) &
+    fi
+}
+trap warn USR1
 trap 'forward TERM' TERM
 
 # `wait` returns early when a trapped signal arrives: keep waiting until srun is gone.

@@ -27,6 +27,7 @@ Tensor-parallel peers pass the same ``dp_rank`` and receive identical batches.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,17 @@ class _Failure:
 
 def _as_is(item: object) -> object:
     return item
+
+
+def ignore_trainer_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: a worker ignores the signals the trainer handles (USR1, TERM).
+
+    ``scancel --signal=USR1`` and SLURM's step signals reach every process of a job; a worker
+    that kept USR1's default action would die and take its rank down instead of letting the
+    rank save and requeue. A worker still exits when its rank does (DataLoader's watchdog).
+    """
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class _RunReader(IterableDataset):
@@ -378,7 +390,16 @@ class TokenBatchStream:
         chunks = (
             iter(reader)
             if workers == 0
-            else iter(DataLoader(reader, batch_size=None, num_workers=workers, collate_fn=_as_is, prefetch_factor=4))
+            else iter(
+                DataLoader(
+                    reader,
+                    batch_size=None,
+                    num_workers=workers,
+                    collate_fn=_as_is,
+                    prefetch_factor=4,
+                    worker_init_fn=ignore_trainer_signals,
+                )
+            )
         )
         store: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # decoded, not yet batched: about one sort window
         have = np.zeros(len(self.data.lengths), dtype=bool)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -179,7 +178,10 @@ def _rank_main(
     ckpt: str, sources: list[list[int]], settings: SearchSettings, max_tokens: int, tp: int, result: str, quiet: bool
 ) -> int:
     """One TP rank of :func:`run_translation` (started by ``launcher.local.spawn``)."""
-    ctx = ParallelContext.initialize(ParallelConfig(tp=tp), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    from launcher.env import detect  # rank, local rank (distinct GPUs) and world size the launcher set
+
+    info = detect()
+    ctx = ParallelContext.initialize(ParallelConfig(tp=tp), info.rank, info.world_size, info.local_rank)
     try:
         model = build_model(load_model_file(ckpt), ctx.tp, ctx.device, source=ckpt)
         progress = TranslationProgress(sum(1 for s in sources if s), enabled=ctx.is_main and not quiet)

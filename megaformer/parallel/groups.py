@@ -10,13 +10,16 @@ no-op).
 from __future__ import annotations
 
 import datetime
-import os
+import socket
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megaformer.config import ParallelConfig
+from megaformer.errors import ConfigError
 from megaformer.parallel.layout import ParallelLayout
 
 
@@ -32,9 +35,49 @@ class TPGroup:
 LOCAL = TPGroup(group=None, size=1, rank=0)
 
 
+def check_tp_within_nodes(layout: ParallelLayout, hosts: Sequence[str]) -> None:
+    """Every TP group must lie inside one node: TP all-reduces once per sublayer, which only a
+    node's own links (NVLink, shared memory) carry fast enough. ``hosts[r]`` is rank r's host.
+
+    The error names the groups that span nodes and the TP sizes that would not: the divisors
+    of the smallest number of ranks a node holds (ranks are numbered node by node).
+    """
+    split = [ranks for ranks in layout.tp_groups() if len({hosts[r] for r in ranks}) > 1]
+    if not split:
+        return
+    per_node = min(Counter(hosts).values())
+    fits = [t for t in range(1, per_node + 1) if per_node % t == 0 and layout.world_size % t == 0]
+    where = "; ".join(f"ranks {ranks} on {', '.join(sorted({hosts[r] for r in ranks}))}" for ranks in split[:3])
+    raise ConfigError(
+        f"parallel.tp={layout.tp} puts tensor-parallel groups across nodes ({where}): "
+        f"with {per_node} rank(s) per node use parallel.tp in {fits}, or launch more ranks per node"
+    )
+
+
+def describe_nodes(hosts: Sequence[str]) -> str:
+    """``n1: ranks 0,1; n2: ranks 2,3`` -- which ranks each node holds, in rank order."""
+    nodes: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        nodes.setdefault(host, []).append(rank)
+    return "; ".join(f"{host}: ranks {','.join(map(str, ranks))}" for host, ranks in nodes.items())
+
+
+def pick_device(backend: str, local_rank: int) -> torch.device:
+    """The rank's device: ``cuda:0`` when the task sees exactly one GPU (SLURM ``--gpus-per-task``,
+    ``--gpu-bind``, or CUDA_VISIBLE_DEVICES naming one device), else ``cuda:<local_rank>``."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else local_rank)
+
+
 @dataclass(frozen=True)
 class ParallelContext:
-    """This rank's place in the DP x TP grid and the groups it belongs to."""
+    """This rank's place in the DP x TP grid and the groups it belongs to.
+
+    ``hosts`` holds every rank's host name (gathered once at start-up); ``owns_world`` says
+    whether :meth:`initialize` started ``torch.distributed`` (and so may end it), and
+    ``groups`` the sub-groups it created.
+    """
 
     layout: ParallelLayout
     rank: int
@@ -43,6 +86,9 @@ class ParallelContext:
     dp_group: dist.ProcessGroup | None
     device: torch.device
     backend: str
+    hosts: tuple[str, ...] = ()
+    owns_world: bool = False
+    groups: tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def dp_rank(self) -> int:
@@ -74,7 +120,7 @@ class ParallelContext:
         world_size: int,
         local_rank: int = 0,
         init_method: str | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
         single_process_group: bool = False,
     ) -> ParallelContext:
         """Validate the layout, start ``torch.distributed`` if needed, and build the groups.
@@ -82,45 +128,53 @@ class ParallelContext:
         ``init_method`` defaults to ``env://`` (MASTER_ADDR / MASTER_PORT), which every
         launcher in ``launcher/`` sets. The layout is validated before any group exists.
         One process gets no process group unless ``single_process_group`` (DeepSpeed
-        needs one even then).
+        needs one even then). A collective that waits longer than ``timeout_s`` (default
+        ``parallel.timeout_minutes``) fails instead of hanging. The ranks' host names are
+        gathered once, and a TP group spanning nodes is refused (:func:`check_tp_within_nodes`).
         """
         layout = ParallelLayout.from_config(cfg, world_size)
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        device = pick_device(backend, local_rank)
         if backend == "nccl":
             torch.cuda.set_device(device)
         if world_size == 1 and not dist.is_initialized() and not single_process_group:
-            return cls(layout, 0, 0, LOCAL, None, device, backend)
-        if not dist.is_initialized():
+            return cls(layout, 0, 0, LOCAL, None, device, backend, (socket.gethostname(),))
+        owns_world = not dist.is_initialized()
+        if owns_world:
             dist.init_process_group(
                 backend,
                 init_method=init_method or "env://",
                 rank=rank,
                 world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout_s),
+                timeout=datetime.timedelta(seconds=timeout_s if timeout_s is not None else 60 * cfg.timeout_minutes),
             )
+        hosts: list[str | None] = [None] * world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        check_tp_within_nodes(layout, hosts)
+        if rank == 0 and len(set(hosts)) > 1:
+            print(f"parallel: tp={layout.tp} dp={layout.dp}; {describe_nodes(hosts)}", flush=True)
         # new_group must be called by every rank for every group, in the same order.
+        created: list[dist.ProcessGroup] = []
         tp_group = dp_group = None
         for ranks in layout.tp_groups():
-            group = dist.new_group(ranks)
+            created.append(dist.new_group(ranks))
             if rank in ranks:
-                tp_group = group
+                tp_group = created[-1]
         for ranks in layout.dp_groups():
-            group = dist.new_group(ranks)
+            created.append(dist.new_group(ranks))
             if rank in ranks:
-                dp_group = group
+                dp_group = created[-1]
         tp = TPGroup(group=tp_group, size=layout.tp, rank=rank % layout.tp) if layout.tp > 1 else LOCAL
-        return cls(layout, rank, local_rank, tp, dp_group, device, backend)
+        return cls(layout, rank, local_rank, tp, dp_group, device, backend, tuple(hosts), owns_world, tuple(created))
 
     def destroy(self) -> None:
-        if dist.is_initialized():
+        """End what :meth:`initialize` created: the whole of ``torch.distributed`` if it started
+        it, else only its own sub-groups (a caller's default group stays usable)."""
+        if not dist.is_initialized():
+            return
+        if self.owns_world:
             dist.destroy_process_group()
-
-
-def env_rank() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from the variables torchrun and our launcher set."""
-    return (
-        int(os.environ.get("RANK", "0")),
-        int(os.environ.get("LOCAL_RANK", "0")),
-        int(os.environ.get("WORLD_SIZE", "1")),
-    )
+            return
+        for group in self.groups:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)

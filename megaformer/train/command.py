@@ -76,6 +76,9 @@ def main(args: argparse.Namespace) -> int:
     from launcher.env import detect
     from launcher.local import free_port, spawn
     from megaformer.parallel import ParallelLayout, check_model_split
+    from megaformer.train.signals import hold_signals
+
+    hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
 
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)

@@ -5,9 +5,17 @@
 | ``SIGUSR1`` | SLURM, ``--signal=B:USR1@180`` (forwarded by the batch script): the time limit or a preemption is near | saves a checkpoint, requeues the job once (``scontrol requeue $SLURM_JOB_ID``), exits 0 |
 | ``SIGTERM`` | ``scancel``, the time limit without a warning, a node going down | saves if it can, does not requeue, exits 143 |
 
+| parent death | the launcher (torchrun, ``megaformer train --nproc``, slurmstepd) died, e.g. torchrun killed by a USR1 it does not handle | treated as ``SIGTERM``: saves if the peers can still agree, exits 143; a watchdog ends the process ``parent_grace_s`` later whatever it is doing |
+
 A job that received the warning before finishing a single step does not requeue (it
 would only loop: the time limit is too short to make progress), and a job is requeued
 at most once per run of the script.
+
+Ranks never outlive their launcher: torchrun starts each rank in a session of its own, so
+a signal that kills torchrun does not reach them, and a rank blocked in a collective runs
+no Python signal handler. A daemon thread therefore compares ``os.getppid()`` with the
+parent seen at start-up (a dead parent re-parents the rank) every ``poll_s``; it does not
+need the main thread, so it also ends a rank stuck in a collective after the grace time.
 """
 
 from __future__ import annotations
@@ -17,25 +25,64 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 NONE, REQUEUE, TERMINATE = 0, 1, 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
-class SignalWatch:
-    """Records USR1/TERM in the handler; :meth:`poll` agrees on them across ranks between steps."""
+HANDLED = {signal.SIGUSR1, signal.SIGTERM}
 
-    def __init__(self) -> None:
+
+def hold_signals() -> None:
+    """Block USR1 and TERM from start-up until :class:`SignalWatch` handles them.
+
+    A warning that arrives while a rank is still importing or building its engine would
+    otherwise kill it (USR1's default action). Blocked, it stays pending and reaches the
+    handler the moment the watch starts: the rank trains a step, saves and requeues.
+    The mask is inherited by processes started meanwhile (local ranks unblock in their watch).
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+
+
+class SignalWatch:
+    """Records USR1/TERM in the handler (and the launcher's death in a watchdog thread);
+    the trainer agrees on :attr:`received` across ranks between steps."""
+
+    def __init__(self, parent_grace_s: float = 120.0, poll_s: float = 0.5) -> None:
         self.received = NONE
         self.requeued = False
         self._previous = {}
         for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE)):
             self._previous[sig] = signal.signal(sig, lambda *_, w=what: self._note(w))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # a signal held since start-up arrives now
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch_parent, args=(os.getppid(), parent_grace_s, poll_s), name="parent-watchdog", daemon=True
+        )
+        self._watchdog.start()
 
     def _note(self, what: int) -> None:
         self.received = max(self.received, what)  # TERM wins over USR1
 
+    def _watch_parent(self, parent: int, grace_s: float, poll_s: float) -> None:
+        """Turn the launcher's death into TERMINATE, then end the process after ``grace_s``."""
+        while not self._stop.wait(poll_s):
+            if os.getppid() != parent:
+                print(
+                    f"signal: launcher (pid {parent}) is gone: saving and stopping (exit within {grace_s:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._note(TERMINATE)
+                if not self._stop.wait(grace_s):
+                    print("signal: launcher gone and the rank did not stop in time: exiting", file=sys.stderr)
+                    sys.stderr.flush()
+                    os._exit(EXIT_TERMINATED)
+                return
+
     def restore(self) -> None:
+        self._stop.set()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
 
@@ -53,7 +100,14 @@ def requeue(made_progress: bool, log=print) -> bool:
     if scontrol is None:
         log("signal: scontrol not found on PATH: cannot requeue")
         return False
-    proc = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)
+    # An accepted requeue makes SLURM end the job's processes at once with SIGTERM, scontrol
+    # included: it ignores TERM so that it can report the answer (SIGKILL comes only after KillWait).
+    proc = subprocess.run(
+        [scontrol, "requeue", job],
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+    )
     if proc.returncode != 0:
         log(f"signal: scontrol requeue {job} failed: {proc.stderr.strip() or proc.returncode}")
         return False

@@ -1,0 +1,196 @@
+"""Launch environment: SLURM host lists, `megaformer env`, TP groups inside nodes, failures surfaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.env import detect, expand_nodelist, parse_hostlist
+from launcher.local import spawn
+from megaformer.errors import ConfigError
+from megaformer.parallel.groups import check_tp_within_nodes, describe_nodes
+from megaformer.parallel.layout import ParallelLayout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every form SLURM's documentation shows for host lists (hostlist expressions), with the
+# expansion it documents: prefixes and suffixes, zero padding, comma lists inside and
+# outside brackets, several bracket groups (the leftmost varies slowest).
+FORMS = {
+    "n1": ["n1"],
+    "n[1-3]": ["n1", "n2", "n3"],
+    "gpu[01-03,07],login1": ["gpu01", "gpu02", "gpu03", "gpu07", "login1"],
+    "a[098-101]": ["a098", "a099", "a100", "a101"],
+    "a[8-11]": ["a8", "a9", "a10", "a11"],
+    "node[1-2]-ib": ["node1-ib", "node2-ib"],
+    "rack[1-2]-node[01-02]": ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"],
+    "x,y[1,3-4]z,w": ["x", "y1z", "y3z", "y4z", "w"],
+    "c[1-2]s[0-1]n[5]": ["c1s0n5", "c1s1n5", "c2s0n5", "c2s1n5"],
+    "n[1-2],m[3],k": ["n1", "n2", "m3", "k"],
+}
+
+
+@pytest.mark.parametrize("hostlist", FORMS)
+def test_parse_hostlist_documented_forms(hostlist):
+    assert parse_hostlist(hostlist) == FORMS[hostlist]
+
+
+@pytest.mark.parametrize("bad", ["n[1-2", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]"])
+def test_parse_hostlist_refuses_malformed(bad):
+    with pytest.raises(ConfigError, match="host list"):
+        parse_hostlist(bad)
+
+
+def test_parse_hostlist_agrees_with_scontrol(tmp_path):
+    """Where SLURM is installed, its own expansion is the reference for every form it accepts."""
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        pytest.skip("SLURM's scontrol is not installed")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=t\nSlurmctldHost=localhost\nNodeName=a\nPartitionName=p Nodes=a\n")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    compared = 0
+    for hostlist in FORMS:
+        proc = subprocess.run([scontrol, "show", "hostnames", hostlist], capture_output=True, text=True, env=env)
+        if proc.returncode == 0 and proc.stdout.strip():  # 22.05 refuses a suffix after one bracket group
+            ours, slurms = parse_hostlist(hostlist), proc.stdout.split()
+            if hostlist.count("[") > 2 and hostlist.count(",") == 0:  # Slurm orders 3+ groups its own way
+                assert (sorted(ours), ours[0]) == (sorted(slurms), slurms[0]), hostlist
+            else:
+                assert ours == slurms, hostlist
+            compared += 1
+    assert compared >= 6
+
+
+def test_expand_nodelist_falls_back_without_scontrol():
+    assert expand_nodelist("rack[1-2]-node[01-02]", scontrol="/bin/false") == FORMS["rack[1-2]-node[01-02]"]
+
+
+def test_detect_slurm_master_is_first_host():
+    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
+    env |= {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "rack[1-2]-node[01-02]", "PATH": "/nonexistent"}
+    info = detect(env)
+    assert (info.rank, info.local_rank, info.world_size, info.master_addr) == (3, 1, 4, "rack1-node01")
+
+
+def test_env_command_under_fake_slurm():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env |= {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}
+    env |= {"SLURM_JOB_NODELIST": "rack[1-2]-node[01-02]", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "3"}
+    env.pop("SLURM_CONF", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "env", "--json"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    assert found["launcher"] == "slurm" and found["master_addr"] == "rack1-node01"
+    assert found["world_size"] == 4 and found["nodes"] == FORMS["rack[1-2]-node[01-02]"]
+    assert found["omp_num_threads"] == "3" and found["device"] == "cpu"
+
+
+def test_tp_groups_must_stay_inside_a_node():
+    hosts = ["a", "a", "b", "b"]
+    check_tp_within_nodes(ParallelLayout(4, 2, 2), hosts)
+    assert describe_nodes(hosts) == "a: ranks 0,1; b: ranks 2,3"
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 .*ranks \[0, 1, 2, 3\] on a, b.*parallel.tp in \[1, 2\]"):
+        check_tp_within_nodes(ParallelLayout(4, 4, 1), hosts)
+    with pytest.raises(ConfigError, match="across nodes"):  # round-robin placement splits every pair
+        check_tp_within_nodes(ParallelLayout(4, 2, 2), ["a", "b", "a", "b"])
+
+
+def _fail_on_one_rank(bad: int) -> int:
+    """Rank ``bad`` fails with a clear message; the others wait in a collective and lose their peer."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    if dist.get_rank() == bad:
+        time.sleep(0.5)
+        raise ConfigError("rank-specific bad input: set x.y to 3")
+    dist.barrier()
+    dist.barrier()
+    return 0
+
+
+def test_first_failing_rank_is_the_last_line(capfd):
+    """Issue 14 item 5: the first failing rank's message ends the output, not a peer's gloo traceback."""
+    code = spawn(_fail_on_one_rank, 3, 1, timeout_s=120)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2
+    assert lines[-1] == "rank 1 failed first: error: rank-specific bad input: set x.y to 3", err[-2000:]
+    assert "Traceback" not in err  # the peers' connection errors are one line each
+
+
+def _local_rank_of(out: str) -> int:
+    info = detect()
+    Path(out, f"rank{info.rank}").write_text(str(info.local_rank))
+    return 0
+
+
+def test_local_processes_get_distinct_local_ranks(tmp_path):
+    """Item 4: ranks started by launcher.local (translate/evaluate --tp N) see distinct local ranks."""
+    assert spawn(_local_rank_of, 2, str(tmp_path)) == 0
+    assert [Path(tmp_path, f"rank{r}").read_text() for r in range(2)] == ["0", "1"]
+
+
+def test_gpu_binding_follows_what_the_task_sees(monkeypatch):
+    """Item 8: one visible GPU (--gpus-per-task, --gpu-bind) -> cuda:0, else cuda:<local rank>."""
+    import torch
+
+    from megaformer.parallel.groups import pick_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("nccl", 3) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert pick_device("nccl", 3) == torch.device("cuda", 3)
+    assert pick_device("gloo", 3) == torch.device("cpu")
+
+
+def test_process_group_timeout_comes_from_the_config(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from megaformer.config import ParallelConfig
+    from megaformer.parallel.groups import ParallelContext
+
+    seen = {}
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(RuntimeError, match="stop here"):
+        ParallelContext.initialize(ParallelConfig(timeout_minutes=2.5, backend="gloo"), 0, 2)
+    assert seen["timeout"] == datetime.timedelta(minutes=2.5)
+
+
+def _destroy_keeps_callers_world() -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megaformer.config import ParallelConfig
+    from megaformer.parallel.groups import ParallelContext
+
+    dist.init_process_group("gloo", init_method="env://")
+    ctx = ParallelContext.initialize(ParallelConfig(tp=2, backend="gloo"), dist.get_rank(), 2)
+    assert not ctx.owns_world and len(ctx.groups) == 3
+    ctx.destroy()
+    assert dist.is_initialized()
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the caller's default group still works
+    assert t.item() == 2
+    dist.destroy_process_group()
+    return 0
+
+
+def test_destroy_ends_only_what_the_context_created():
+    assert spawn(_destroy_keeps_callers_world, 2, timeout_s=240) == 0

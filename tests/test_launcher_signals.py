@@ -1,0 +1,99 @@
+"""Signals to a whole local run, and a launcher that dies: `megaformer train --nproc 2` on this machine.
+
+The SLURM cluster tests (test_slurm_cluster.py) show the same through srun and torchrun;
+these run without root or SLURM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus") / "synthetic"
+    cmd = [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "300", "--out", str(out), "--quiet"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT, timeout=300)
+    return out
+
+
+def _start(corpus: Path, run: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "megaformer.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    cmd += ["--run-dir", str(run), "--nproc", "2", "--set", f"data.path={corpus}", "--set", "train.max_steps=100000"]
+    cmd += ["--set", "data.num_workers=1", "--set", "train.log_interval=1", "--set", "train.eval_interval=0"]
+    cmd += ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512"]
+    out = open(run.parent / f"{run.name}.log", "w")  # noqa: SIM115 -- closed by the child's exit
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run / "metrics.jsonl"
+    while True:
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        if any(json.loads(line).get("step", 0) >= step for line in lines if line.strip()):
+            return
+        assert proc.poll() is None, (run.parent / f"{run.name}.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.5)
+
+
+def _alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in found]
+
+
+def test_usr1_to_the_process_group_saves_instead_of_killing_workers(corpus, tmp_path):
+    """2f: `kill -USR1 -PGID`, as SLURM's step signals do: DataLoader workers ignore it, the ranks save."""
+    run = tmp_path / "run"
+    proc = _start(corpus, run)
+    _wait_step(run, 3, proc)
+    os.killpg(proc.pid, signal.SIGUSR1)
+    code = proc.wait(timeout=180)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "is killed by signal" not in log and "after SIGUSR1" in log, log[-3000:]
+    assert "USR1 outside a SLURM job: checkpoint saved" in log
+    assert list((run / "checkpoints").glob("step-*/meta.json"))
+
+
+def test_ranks_do_not_outlive_their_launcher(corpus, tmp_path):
+    """2g: the launcher killed outright: its ranks notice, save (the peers still agree) and exit."""
+    run = tmp_path / "run"
+    proc = _start(corpus, run)
+    _wait_step(run, 3, proc)
+    ranks = [p for p in _children(proc.pid) if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) >= 2
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    while _alive(ranks):
+        assert time.monotonic() - started < 150, "ranks outlived their launcher"
+        time.sleep(0.5)
+    log = (tmp_path / "run.log").read_text()
+    assert "is gone: saving and stopping" in log and "after SIGTERM (saved" in log, log[-3000:]
+    assert list((run / "checkpoints").glob("step-*/meta.json"))
