@@ -45,6 +45,7 @@ class ParallelConfig:
     dropout_rng: str = "exact"  # "exact": masks independent of tp; "fast": per-rank masks on split tensors
     vocab_multiple: int = 128  # vocabulary padded to a multiple of lcm(this, tp * 8)
     backend: str = "auto"  # "auto" = nccl with CUDA, gloo otherwise
+    device: str = "auto"  # "auto": a GPU with nccl, the CPU with gloo; "cuda" (also with gloo) or "cpu"
     timeout_minutes: float = 10.0  # a collective waiting longer fails (a lost rank ends the job instead of a hang)
 
 
@@ -118,6 +119,7 @@ _CHOICES = {
     ("model", "norm"): ("post", "pre"),
     ("parallel", "dropout_rng"): ("exact", "fast"),
     ("parallel", "backend"): ("auto", "nccl", "gloo"),
+    ("parallel", "device"): ("auto", "cpu", "cuda"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "zero_stage"): (0, 1, 2),
     ("train", "zero_contiguous_gradients"): ("auto", "true", "false"),
@@ -234,6 +236,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("parallel", "tp"): (1, _INF, False, False),
     ("parallel", "dp"): (0, _INF, False, False),  # 0 = world size / tp
     ("parallel", "vocab_multiple"): (1, _INF, False, False),
+    ("parallel", "timeout_minutes"): (0, _INF, True, False),  # > 0: a collective may wait this long
     ("data", "vocab_size"): (4, _INF, False, False),  # pad, unk, bos, eos
     ("data", "max_tokens"): (1, _INF, False, False),
     ("data", "max_len"): (1, _INF, False, False),

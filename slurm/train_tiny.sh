@@ -14,6 +14,6 @@
 #SBATCH --output=%x-%j.out
 
 CONFIG=${CONFIG:-configs/tiny.yaml}
-set -- --set parallel.tp=2 "$@" # later --set arguments win
+set -- --set parallel.tp=2 --set parallel.backend=gloo "$@" # the CPU sibling: gloo even where CUDA is visible; later --set arguments win
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$PWD}/slurm/common.sh"

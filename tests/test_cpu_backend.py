@@ -81,6 +81,7 @@ def test_decode_command_tests_hide_cuda():
 def cuda_visible(monkeypatch):
     """This process as if a GPU were visible (no CUDA call is made)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
 

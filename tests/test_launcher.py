@@ -144,13 +144,27 @@ def test_gpu_binding_follows_what_the_task_sees(monkeypatch):
     """Item 8: one visible GPU (--gpus-per-task, --gpu-bind) -> cuda:0, else cuda:<local rank>."""
     import torch
 
+    from megaformer.errors import ConfigError
     from megaformer.parallel.groups import pick_device
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pick_device("nccl", 3) == torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert pick_device("nccl", 3) == torch.device("cuda", 3)
     assert pick_device("gloo", 3) == torch.device("cpu")
+    # parallel.device=cuda with gloo: ranks may share GPUs (the GPU acceptance run puts two on one)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert [pick_device("gloo", r, "cuda") for r in (0, 1)] == [torch.device("cuda", 0)] * 2
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("gloo", 3, "cuda") == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match="one GPU per rank"):
+        pick_device("nccl", 2)  # nccl refuses two ranks on one GPU: say so before it does
+    with pytest.raises(ConfigError, match="parallel.device"):
+        pick_device("nccl", 0, "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        pick_device("gloo", 0, "cuda")
 
 
 def test_process_group_timeout_comes_from_the_config(monkeypatch):

@@ -33,7 +33,7 @@ def _start(corpus: Path, run: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megaformer.cli", "train", "--config", str(ROOT / "configs" / "tiny.yaml")]
     cmd += ["--run-dir", str(run), "--nproc", "2", "--set", f"data.path={corpus}", "--set", "train.max_steps=100000"]
     cmd += ["--set", "data.num_workers=1", "--set", "train.log_interval=1", "--set", "train.eval_interval=0"]
-    cmd += ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512"]
+    cmd += ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512", "--set", "parallel.backend=gloo"]
     out = open(run.parent / f"{run.name}.log", "w")  # noqa: SIM115 -- closed by the child's exit
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

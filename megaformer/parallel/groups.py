@@ -62,12 +62,29 @@ def describe_nodes(hosts: Sequence[str]) -> str:
     return "; ".join(f"{host}: ranks {','.join(map(str, ranks))}" for host, ranks in nodes.items())
 
 
-def pick_device(backend: str, local_rank: int) -> torch.device:
-    """The rank's device: ``cuda:0`` when the task sees exactly one GPU (SLURM ``--gpus-per-task``,
-    ``--gpu-bind``, or CUDA_VISIBLE_DEVICES naming one device), else ``cuda:<local_rank>``."""
-    if backend != "nccl":
+def pick_device(backend: str, local_rank: int, kind: str = "auto") -> torch.device:
+    """The rank's device, from ``parallel.device`` (``kind``) and the backend.
+
+    ``auto``: a GPU with nccl, the CPU with gloo. ``cuda``: a GPU with either backend
+    (gloo then carries CUDA tensors through host memory, which lets several ranks share
+    one GPU for testing). ``cpu``: the CPU (gloo only). A GPU is ``cuda:0`` when the task
+    sees exactly one (SLURM ``--gpus-per-task``, ``--gpu-bind``, CUDA_VISIBLE_DEVICES
+    naming one device), else ``cuda:<local_rank mod visible GPUs>``; with nccl every
+    local rank needs a GPU of its own.
+    """
+    if kind == "cpu" or (kind == "auto" and backend != "nccl"):
+        if backend == "nccl":
+            raise ConfigError("parallel.backend=nccl reduces GPU tensors only: set parallel.device=cuda or auto")
         return torch.device("cpu")
-    return torch.device("cuda", 0 if torch.cuda.device_count() == 1 else local_rank)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError(f"parallel.device={kind} with backend {backend}: no GPU is visible to this process")
+    if backend == "nccl" and count > 1 and local_rank >= count:
+        raise ConfigError(
+            f"local rank {local_rank} but only {count} GPUs visible: nccl needs one GPU per rank "
+            f"(start at most {count} ranks per node, or use parallel.backend=gloo to share GPUs)"
+        )
+    return torch.device("cuda", local_rank % count)
 
 
 @dataclass(frozen=True)
@@ -134,8 +151,8 @@ class ParallelContext:
         """
         layout = ParallelLayout.from_config(cfg, world_size)
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
-        device = pick_device(backend, local_rank)
-        if backend == "nccl":
+        device = pick_device(backend, local_rank, cfg.device)
+        if device.type == "cuda":
             torch.cuda.set_device(device)
         if world_size == 1 and not dist.is_initialized() and not single_process_group:
             return cls(layout, 0, 0, LOCAL, None, device, backend, (socket.gethostname(),))
