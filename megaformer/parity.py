@@ -18,6 +18,7 @@ import torch
 
 from megaformer.cli_args import existing_file, finite_float, positive_int
 from megaformer.config import Config, load_config
+from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.errors import ConfigError
 from megaformer.parallel import (
     LOCAL,
@@ -51,7 +52,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def random_batch(
-    vocab_size: int, batch: int, src_len: int, tgt_len: int, seed: int, pad_id: int = 0, first_id: int = 4
+    vocab_size: int, batch: int, src_len: int, tgt_len: int, seed: int, pad_id: int = PAD_ID, first_id: int = EOS_ID + 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fixed batch whose rows have different lengths (right-padded), ids in [first_id, vocab)."""
     g = torch.Generator().manual_seed(seed)

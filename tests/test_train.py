@@ -223,6 +223,24 @@ def test_resume_at_smaller_dp(corpus, dp2_run, tmp_path):
         assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-5 * reference[step]["loss"], step
 
 
+def test_resume_from_a_damaged_checkpoint_is_refused(corpus, tp2_run, tmp_path):
+    """train --resume STEP_DIR whose model file has the right size and the wrong bytes: one line naming it."""
+    run = tmp_path / "run"
+    _resume_from(tp2_run, 10, run)
+    shard = run / "checkpoints" / "step-00000010" / "model-tp00-of-02.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    sets = common(corpus) + ["parallel.tp=2", "train.max_steps=12"]
+    proc = train(run, 2, sets, resume=str(run / "checkpoints" / "step-00000010"))
+    assert proc.returncode != 0
+    assert "model-tp00-of-02.pt" in proc.stderr and "sha256" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    auto = train(run, 2, sets)  # --resume auto: the damaged step is skipped, and said
+    ok(auto)
+    assert "skipping" in auto.stdout and "model-tp00-of-02.pt" in auto.stdout and "from scratch" in auto.stdout
+
+
 def test_reshard_and_export_commands(tp2_run, tmp_path):
     from megaformer.train.checkpoint import check_complete, consolidate, load_consolidated
 

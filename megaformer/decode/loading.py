@@ -16,12 +16,11 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+from megaformer.data.tokenizer import check_special_ids
 from megaformer.errors import CheckpointError
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state, padded_vocab_size
 from megaformer.train.checkpoint import STEP_DIR, Consolidated, consolidate, load_for_inference, resolve_checkpoint
-
-SPECIAL_IDS = {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
 
 
 def load_model_file(path: str | Path, log: Callable[[str], None] | None = None) -> Consolidated:
@@ -114,9 +113,7 @@ def load_tokenizer(model: Consolidated, *, source: str = "") -> spm.SentencePiec
         sp = spm.SentencePieceProcessor(model_proto=model.tokenizer)
     except (RuntimeError, OSError, TypeError):
         raise CheckpointError(f"{source}: its tokenizer bytes are not a sentencepiece model") from None
-    found = {"pad": sp.pad_id(), "unk": sp.unk_id(), "bos": sp.bos_id(), "eos": sp.eos_id()}
-    if found != SPECIAL_IDS:
-        raise CheckpointError(f"{source}: tokenizer special ids {found}, megaformer needs {SPECIAL_IDS}")
+    check_special_ids(sp, source)
     if sp.vocab_size() != model.vocab_size:
         raise CheckpointError(f"{source}: tokenizer has {sp.vocab_size()} pieces, the model {model.vocab_size}")
     return sp

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaformer.config import ModelConfig
+from megaformer.data.tokenizer import PAD_ID
 from megaformer.model.attention import DecoderCache
 from megaformer.model.layers import DecoderLayer, EncoderLayer
 from megaformer.parallel import (
@@ -66,7 +67,7 @@ class Transformer(nn.Module):
         seed: int = 1,
         sequence_parallel: bool = False,
         vocab_multiple: int = 128,
-        pad_id: int = 0,
+        pad_id: int = PAD_ID,
     ) -> None:
         super().__init__()
         check_model_split(cfg, tp.size)
