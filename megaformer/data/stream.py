@@ -27,7 +27,9 @@ Tensor-parallel peers pass the same ``dp_rank`` and receive identical batches.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -165,11 +167,23 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
     """DataLoader ``worker_init_fn``: a worker ignores the signals the trainer handles (USR1, TERM).
 
     ``scancel --signal=USR1`` and SLURM's step signals reach every process of a job; a worker
-    that kept USR1's default action would die and take its rank down instead of letting the
-    rank save and requeue. A worker still exits when its rank does (DataLoader's watchdog).
+    that kept USR1's or TERM's default action would die and take its rank down instead of
+    letting the rank save (and requeue). A SIGTERM from the worker's own rank is still obeyed:
+    that is how the rank's DataLoader and multiprocessing stop workers at exit. Python
+    handlers cannot see a signal's sender, so SIGTERM is blocked and a thread reads it with
+    ``sigwaitinfo``, exiting only when the sender is the parent.
     """
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = os.getppid()
+
+    def obey_parent_only() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == parent:
+                os._exit(0)
+
+    threading.Thread(target=obey_parent_only, name="sigterm-from-parent", daemon=True).start()
 
 
 class _RunReader(IterableDataset):
