@@ -97,15 +97,23 @@ class Cluster:
         text = self.slurm("scontrol", "show", "job", "-o", job)
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
+    def nodes_settled(self) -> bool:
+        """No node is still completing a previous job step (killing and cleaning up its tasks)."""
+        states = self.slurm("sinfo", "-h", "-N", "-o", "%T", check=False).lower()
+        return bool(states.strip()) and "comp" not in states and "drain" not in states
+
     def restart_now(self, job: str, timeout: float = 240, *update: str) -> None:
         """Wait until ``job`` has been requeued once, then let it start at once: SLURM holds a
-        requeued job back for about two minutes (an operator can do the same)."""
+        requeued job back for about two minutes (an operator can do the same). It is released only
+        once the nodes have finished the previous attempt's step: a batch script launched on a node
+        still completing the old one fails before it starts."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job)
             if info.get("Restarts") == "1" and info.get("JobState") == "RUNNING":
                 return
-            if info.get("Restarts") == "1" and info.get("JobState") == "PENDING":  # until SLURM takes it
+            pending = info.get("Restarts") == "1" and info.get("JobState") == "PENDING"
+            if pending and self.nodes_settled():  # until SLURM takes it
                 self.slurm("scontrol", "update", f"JobId={job}", *update, "StartTime=now", check=False)
             assert time.monotonic() < deadline, f"job {job} not requeued and restarted after {timeout} s: {info}"
             time.sleep(1)
