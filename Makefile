@@ -27,8 +27,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# The two-node SLURM cluster tests first, on a quiet machine: their requeue and signal timings are
+# real (SLURM's, the kernel's), not simulated.
 test: install lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/test_slurm_cluster.py
+	$(PY) -m pytest -q tests --ignore=tests/test_slurm_cluster.py
 
 demo: install
 	$(PY) -m megaformer.demo

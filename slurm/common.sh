@@ -84,4 +84,18 @@ while true; do
     wait "$SRUN_PID" && status=0 || status=$?
     kill -0 "$SRUN_PID" 2>/dev/null || break
 done
+
+# shellcheck disable=SC2329
+requeued() {
+    local restarts
+    restarts=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' | cut -d= -f2)
+    [ "${restarts:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ]
+}
+# A requeued job (by the trainer on USR1, or by an operator) is ended by SLURM itself. Exiting first, with the status of the tasks
+# the requeue terminated, races with the requeue: SLURM may record that exit as the job's end
+# (FAILED) instead of starting it again. So wait, a bounded time, for SLURM to stop this attempt.
+if requeued; then
+    echo "megaformer: job ${SLURM_JOB_ID} requeued; waiting for SLURM to end this attempt"
+    for _ in $(seq 60); do sleep 5; done
+fi
 exit "$status"
