@@ -178,9 +178,9 @@ if [ "$TEST_LINES" -gt 0 ]; then
 fi
 mf translate --ckpt "$WORK/c-gpu" --input "$src" --output "$WORK/c-translate.$DEVICE" --quiet
 t=$?
-bleu_dev=$(mf evaluate --ckpt "$WORK/c-gpu" --src "$src" --ref "$ref" --out "$WORK/c-evaluate.$DEVICE" --json --quiet)
+bleu_dev=$(mf evaluate --ckpt "$WORK/c-gpu" --input "$src" --ref "$ref" --output "$WORK/c-evaluate.$DEVICE" --json --quiet)
 e=$?
-bleu_cpu=$(cpu_mf evaluate --ckpt "$WORK/c-gpu" --src "$src" --ref "$ref" --out "$WORK/c-evaluate.cpu" --json --quiet)
+bleu_cpu=$(cpu_mf evaluate --ckpt "$WORK/c-gpu" --input "$src" --ref "$ref" --output "$WORK/c-evaluate.cpu" --json --quiet)
 e_cpu=$?
 if [ "$t$e$e_cpu" = 000 ] && line=$("$PY" - "$WORK" "$DEVICE" "$bleu_dev" "$bleu_cpu" <<'EOF'
 import json, sys
