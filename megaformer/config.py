@@ -40,7 +40,9 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size: heads and d_ff are split over this many ranks
-    dp: int = 0  # data-parallel size; 0 = world size / tp
+    dp: int = 0  # data-parallel size; 0 = world size / (tp x pp)
+    pp: int = 1  # pipeline stages: encoder then decoder layers cut into this many stages (ranks: TP, then DP, then PP)
+    pp_split: str = ""  # layers per stage, encoder layers first, e.g. "3,3,2"; "" = balanced by estimated cost
     sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence
     dropout_rng: str = "exact"  # "exact": masks independent of tp; "fast": per-rank masks on split tensors
     vocab_multiple: int = 128  # vocabulary padded to a multiple of lcm(this, tp * 8)
@@ -234,7 +236,8 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("model", "layernorm_eps"): (0.0, 1.0, True, False),
     ("model", "max_positions"): (2, _INF, False, False),  # bos + at least one token
     ("parallel", "tp"): (1, _INF, False, False),
-    ("parallel", "dp"): (0, _INF, False, False),  # 0 = world size / tp
+    ("parallel", "dp"): (0, _INF, False, False),  # 0 = world size / (tp x pp)
+    ("parallel", "pp"): (1, _INF, False, False),
     ("parallel", "vocab_multiple"): (1, _INF, False, False),
     ("parallel", "timeout_minutes"): (0, _INF, True, False),  # > 0: a collective may wait this long
     ("data", "vocab_size"): (4, _INF, False, False),  # pad, unk, bos, eos
@@ -303,6 +306,21 @@ def validate(cfg: Config) -> None:
             if bounds is None:  # a numeric setting without a declared range is a bug of ours, not of the user
                 raise AssertionError(f"config.RANGES has no entry for {section.name}.{f.name}")
             _check_range(f"{section.name}.{f.name}", value, bounds)
+    _check_pipeline(cfg)
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """A pipeline layout the model cannot be cut into, or that the optimizer cannot run, is refused here."""
+    from megaformer.pipeline.split import plan_stages
+
+    plan_stages(cfg.model, cfg.parallel.pp, cfg.parallel.pp_split)
+    if cfg.parallel.pp > 1 and cfg.train.zero_stage > 1:
+        raise ConfigError(
+            f"train.zero_stage={cfg.train.zero_stage} with parallel.pp={cfg.parallel.pp}: ZeRO-2 frees each "
+            f"micro-batch's gradients before the pipeline has summed the shared embedding's; use train.zero_stage=1"
+        )
+    if cfg.parallel.pp_split and cfg.parallel.pp == 1:
+        raise ConfigError(f"parallel.pp_split={cfg.parallel.pp_split!r} needs parallel.pp > 1 (or leave it empty)")
 
 
 def to_dict(cfg: Config) -> dict:

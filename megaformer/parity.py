@@ -32,6 +32,7 @@ from megaformer.parallel import (
     tp_dim,
     tp_partitions,
 )
+from megaformer.pipeline.split import StagePart
 
 
 @dataclass
@@ -64,8 +65,10 @@ def random_batch(
     return src, tgt[:, :-1].clone(), tgt[:, 1:].clone()
 
 
-def _build(cfg: Config, tp: TPGroup, sequence_parallel: bool, device: torch.device) -> torch.nn.Module:
-    """The model of ``cfg`` at ``tp``, from the config's seed (the same model at every TP size)."""
+def _build(
+    cfg: Config, tp: TPGroup, sequence_parallel: bool, device: torch.device, part: StagePart | None = None
+) -> torch.nn.Module:
+    """The model (or pipeline stage ``part``) of ``cfg`` at ``tp``, from the config's seed (the same at every size)."""
     from megaformer.model import Transformer
 
     rng = DropoutRNG(cfg.train.seed, tp, 0, cfg.parallel.dropout_rng)
@@ -77,7 +80,48 @@ def _build(cfg: Config, tp: TPGroup, sequence_parallel: bool, device: torch.devi
         seed=cfg.train.seed,
         sequence_parallel=sequence_parallel,
         vocab_multiple=cfg.parallel.vocab_multiple,
+        part=part,
     ).to(device)
+
+
+def _pipeline_loss_and_grads(
+    cfg: Config, ctx: ParallelContext, micro: list[tuple[torch.Tensor, ...]], tokens: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's stage through one 1F1B step of ``micro``: the loss (summed over stages) and its gathered grads."""
+    import torch.distributed as dist
+
+    from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
+    from megaformer.pipeline.split import plan_stages
+    from megaformer.pipeline.stage import StageBatch
+
+    parts = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)
+    model = _build(cfg, ctx.tp, cfg.parallel.sequence_parallel, ctx.device, parts[ctx.pp_rank])
+    model.train()
+    pipeline = Pipeline(ctx, model, parts)
+    pipeline.sync_embedding()
+    base = model.rng.state_dict()
+    batches = [PipeMicroBatch(StageBatch.of(*m, model), pipeline.dropout_state(base, k)) for k, m in enumerate(micro)]
+    loss = pipeline.train_step(batches, 1.0 / tokens, cfg.train.label_smoothing, lambda x, _: x.backward(), 1.0)
+    loss = loss / tokens
+    dist.all_reduce(loss, group=ctx.pp_group)  # only the last stage's is not 0
+    grads = {n: gather_full(p.grad, tp_dim(p), tp_partitions(p), ctx.tp) for n, p in model.named_parameters()}
+    every: list[dict | None] = [None] * ctx.layout.world_size
+    dist.all_gather_object(every, {n: g.cpu() for n, g in grads.items()}, group=ctx.world_group)
+    merged = {n: g for stage in every for n, g in stage.items()}  # TP peers hold equal gathered copies
+    return loss.detach(), merged
+
+
+def _reference_micro_batches(
+    ref: torch.nn.Module, micro: list[tuple[torch.Tensor, ...]], tokens: int, smoothing: float
+) -> torch.Tensor:
+    """The unsplit model over the same micro-batches in order, as gradient accumulation runs them."""
+    ref.train()
+    total = torch.zeros(())
+    for src, tgt_in, tgt_out in micro:
+        loss, _ = ref.loss(src, tgt_in, tgt_out, smoothing)
+        (loss / tokens).backward()
+        total = total + loss.detach().cpu()
+    return total / tokens
 
 
 def _loss_and_logits(
@@ -100,6 +144,7 @@ def check_parity(
     batch: int = 4,
     src_len: int = 24,
     tgt_len: int = 12,
+    micro_batches: int = 4,
 ) -> ParityReport | None:
     """Compare the TP model of ``ctx`` with a TP=1 model; every rank calls this, rank 0 gets the report.
 
@@ -117,6 +162,8 @@ def check_parity(
     smoothing = cfg.train.label_smoothing
     device = ctx.device
     src, tgt_in, tgt_out = (t.to(device) for t in random_batch(vocab, batch, src_len, tgt_len, cfg.train.seed))
+    if ctx.pp_size > 1:
+        return _check_pipeline_parity(cfg, ctx, (src, tgt_in, tgt_out), micro_batches)
 
     batch_on_device = (src, tgt_in, tgt_out)
     model = _build(cfg, ctx.tp, cfg.parallel.sequence_parallel, device)
@@ -137,10 +184,37 @@ def check_parity(
     return report
 
 
+def _check_pipeline_parity(
+    cfg: Config, ctx: ParallelContext, batch: tuple[torch.Tensor, ...], micro_batches: int
+) -> ParityReport | None:
+    """The PP (x TP) pipeline over ``micro_batches`` slices of ``batch`` against the unsplit model over the same."""
+    rows = batch[0].shape[0]
+    if micro_batches > rows:
+        raise ConfigError(f"--micro-batches {micro_batches} is more than the --batch {rows} rows to cut")
+    micro = [tuple(t.tensor_split(micro_batches)[k] for t in batch) for k in range(micro_batches)]
+    tokens = int(batch[2].ne(PAD_ID).sum())
+    loss, grads = _pipeline_loss_and_grads(cfg, ctx, micro, tokens)
+    if ctx.rank != 0:
+        return None
+    ref = _build(cfg, LOCAL, False, ctx.device)
+    ref_loss = _reference_micro_batches(ref, micro, tokens, cfg.train.label_smoothing)
+    report = ParityReport(loss.item(), ref_loss.item())
+    report.diffs["loss"] = _relative(loss.cpu(), ref_loss)
+    for name, p in ref.named_parameters():
+        if name not in grads:
+            raise RuntimeError(f"no pipeline stage holds {name}")
+        report.diffs[f"grad {name}"] = _relative(grads[name], p.grad.cpu())
+    return report
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=existing_file, required=True, help="YAML config (e.g. configs/tiny.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--tp", type=positive_int, required=True, help="tensor-parallel size to check against TP=1")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to check against TP=1")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages to check against one (1F1B, with --tp)")
+    p.add_argument(
+        "--micro-batches", type=positive_int, default=4, help="with --pp: the batch's rows cut into this many"
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="also split LayerNorm/dropout regions by sequence")
     p.add_argument(
         "--tolerance", type=finite_float(0.0), default=1e-5, help="largest relative difference accepted (fp32)"
@@ -155,7 +229,7 @@ def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     ctx = ParallelContext.initialize(cfg.parallel, rank, world, int(os.environ.get("LOCAL_RANK", 0)))
     try:
-        report = check_parity(cfg, ctx, args.batch, args.src_len, args.tgt_len)
+        report = check_parity(cfg, ctx, args.batch, args.src_len, args.tgt_len, args.micro_batches)
         if report is None:
             return 0
         rows = sorted(report.diffs.items(), key=lambda kv: -kv[1][1])
@@ -164,11 +238,14 @@ def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
             if args.all
             else [r for r in rows if not r[0].startswith("grad")] + [r for r in rows if r[0].startswith("grad")][:10]
         )
+        layout = f"TP={cfg.parallel.tp} PP={cfg.parallel.pp}" if cfg.parallel.pp > 1 else f"TP={cfg.parallel.tp}"
+        cut = f", {args.micro_batches} micro-batches, pp_split={cfg.parallel.pp_split or 'balanced'}"
         print(
-            f"parity TP={cfg.parallel.tp} vs TP=1 (sequence_parallel={cfg.parallel.sequence_parallel}, "
+            f"parity {layout} vs TP=1{cut if cfg.parallel.pp > 1 else ''} "
+            f"(sequence_parallel={cfg.parallel.sequence_parallel}, "
             f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={ctx.backend})"
         )
-        print(f"loss: TP={cfg.parallel.tp} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
+        print(f"loss: {layout} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
         print(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
         for name, (diff, rel) in shown:
             print(f"{name:60s} {diff:14.3e} {rel:12.3e}")
@@ -176,7 +253,7 @@ def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
         ok = worst <= args.tolerance
         print(
             f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance {args.tolerance:.0e}"
-            f" over {len(report.diffs) - 2} gradients"
+            f" over {sum(k.startswith('grad') for k in report.diffs)} gradients"
         )
         sys.stdout.flush()
         return 0 if ok else 1
@@ -185,19 +262,20 @@ def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + [f"parallel.tp={args.tp}", "parallel.dp=0"]
+    overrides = list(args.overrides) + [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "parallel.dp=0"]
+    world = args.tp * args.pp
     if args.sequence_parallel:
         overrides.append("parallel.sequence_parallel=true")
     cfg = load_config(args.config, overrides)
     cfg.model.activation_checkpointing = False
     if "WORLD_SIZE" in os.environ:  # under torchrun / srun / the DeepSpeed launcher
-        world = int(os.environ["WORLD_SIZE"])
-        if world != args.tp:
+        given = int(os.environ["WORLD_SIZE"])
+        if given != world:
             raise ConfigError(
-                f"parity runs on exactly --tp processes; this launch has WORLD_SIZE={world}, --tp={args.tp}"
+                f"parity runs on exactly --tp x --pp = {world} processes; this launch has WORLD_SIZE={given}"
             )
         return _rank_main(cfg, args)
-    check_model_split(cfg.model, ParallelLayout.from_config(cfg.parallel, args.tp).tp)  # fail before any process starts
+    check_model_split(cfg.model, ParallelLayout.from_config(cfg.parallel, world).tp)  # fail before any process starts
     from launcher.local import spawn
 
-    return spawn(_rank_main, args.tp, cfg, args)
+    return spawn(_rank_main, world, cfg, args)

@@ -39,6 +39,8 @@ def test_model_split_errors(model, tp, words):
     [
         (ParallelConfig(tp=2, dp=3, backend="gloo"), 4, ["2 x 3 = 6", "world size is 4", "parallel.dp=2"]),
         (ParallelConfig(tp=3, backend="gloo"), 4, ["parallel.tp=3", "world size 4"]),
+        (ParallelConfig(tp=2, pp=2, backend="gloo"), 6, ["parallel.tp x parallel.pp = 2 x 2 = 4", "world size 6"]),
+        (ParallelConfig(tp=1, pp=2, dp=3, backend="gloo"), 4, ["1 x 3 x 2 = 6", "parallel.dp=2"]),
     ],
 )
 def test_world_size_errors_before_any_group(cfg, world, words):
@@ -68,3 +70,13 @@ def test_parity_command_rejects_bad_layout_before_starting_processes():
     assert proc.returncode == 2
     assert "model.num_heads=4 is not divisible by parallel.tp=3" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_rank_order_is_tp_then_dp_then_pp():
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2, backend="gloo"), 8)
+    assert layout.dp == 2
+    assert layout.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.dp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.pp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.model_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert layout.coordinates(6) == (1, 1, 0)

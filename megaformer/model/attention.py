@@ -126,6 +126,10 @@ class SelfAttention(nn.Module):
         freeze_key_bias(self.qkv.bias, blocks=3, key_block=1)
         self.out = RowParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
 
+    def mask_draws(self) -> dict[str, int]:
+        """Masks one training forward draws from each stream: the attention probabilities' (split by heads)."""
+        return self.rng.draws_of(self.attention_dropout, 1)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -167,6 +171,10 @@ class CrossAttention(nn.Module):
         self.kv = ColumnParallelLinear(d_model, 2 * d_model, tp, partitions=2, sequence_parallel=sequence_parallel)
         freeze_key_bias(self.kv.bias, blocks=2, key_block=0)
         self.out = RowParallelLinear(d_model, d_model, tp, sequence_parallel=sequence_parallel)
+
+    def mask_draws(self) -> dict[str, int]:
+        """Masks one training forward draws from each stream: the attention probabilities' (split by heads)."""
+        return self.rng.draws_of(self.attention_dropout, 1)
 
     def forward(
         self,

@@ -42,6 +42,14 @@ class _Residual(nn.Module):
         self.pre_norm = cfg.norm == "pre"
         self.dropout = Dropout(cfg.dropout, rng, split_dim=SEQ_DIM if sequence_parallel and tp.size > 1 else None)
 
+    def _draws(self, residuals: int, *sites: nn.Module) -> dict[str, int]:
+        """Masks one training forward draws per stream: ``residuals`` residual dropouts, then each site's."""
+        counts = {k: v * residuals for k, v in self.dropout.mask_draws().items()}
+        for site in sites:
+            for k, v in site.mask_draws().items():
+                counts[k] += v
+        return counts
+
     def residual(
         self, x: torch.Tensor, norm: LayerNorm, sublayer: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
@@ -59,6 +67,9 @@ class EncoderLayer(_Residual):
         self.norm1 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
         self.norm2 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
 
+    def mask_draws(self) -> dict[str, int]:
+        return self._draws(2, self.self_attn, self.ffn.dropout)
+
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None) -> torch.Tensor:
         x = self.residual(x, self.norm1, lambda h: self.self_attn(h, src_mask))
         x = self.residual(x, self.norm2, self.ffn)
@@ -75,6 +86,9 @@ class DecoderLayer(_Residual):
         self.norm1 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
         self.norm2 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
         self.norm3 = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)
+
+    def mask_draws(self) -> dict[str, int]:
+        return self._draws(3, self.self_attn, self.cross_attn, self.ffn.dropout)
 
     def forward(
         self,

@@ -11,10 +11,12 @@ import torch
 from megaformer.config import Config
 from megaformer.model.transformer import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup
+from megaformer.pipeline.split import StagePart
 
 
-def shape_model(cfg: Config, vocab_size: int, tp_size: int = 1) -> Transformer:
-    """The model of ``cfg`` at TP size ``tp_size`` (as rank 0 holds it), on the meta device."""
+def shape_model(cfg: Config, vocab_size: int, tp_size: int = 1, part: StagePart | None = None) -> Transformer:
+    """The model of ``cfg`` (or its pipeline stage ``part``) at TP size ``tp_size`` (as rank 0 holds it), on the
+    meta device."""
     tp = TPGroup(group=None, size=tp_size, rank=0)
     with torch.device("meta"):
         return Transformer(
@@ -24,4 +26,5 @@ def shape_model(cfg: Config, vocab_size: int, tp_size: int = 1) -> Transformer:
             DropoutRNG(0, tp),
             sequence_parallel=cfg.parallel.sequence_parallel,
             vocab_multiple=cfg.parallel.vocab_multiple,
+            part=part,
         )

@@ -32,6 +32,7 @@ from megaformer.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megaformer.parallel.comm import SEQ_DIM
+from megaformer.pipeline.split import COPY, StagePart
 
 
 def sinusoidal_positions(length: int, d_model: int) -> torch.Tensor:
@@ -44,7 +45,8 @@ def sinusoidal_positions(length: int, d_model: int) -> torch.Tensor:
     return pe.float()
 
 
-def _pad_to_multiple(ids: torch.Tensor, multiple: int, pad_id: int) -> torch.Tensor:
+def pad_to_multiple(ids: torch.Tensor, multiple: int, pad_id: int) -> torch.Tensor:
+    """``ids`` with its length padded to a multiple of ``multiple`` (sequence parallelism splits it evenly)."""
     extra = -ids.shape[1] % multiple
     return ids if extra == 0 else torch.nn.functional.pad(ids, (0, extra), value=pad_id)
 
@@ -68,6 +70,7 @@ class Transformer(nn.Module):
         sequence_parallel: bool = False,
         vocab_multiple: int = 128,
         pad_id: int = PAD_ID,
+        part: StagePart | None = None,
     ) -> None:
         super().__init__()
         check_model_split(cfg, tp.size)
@@ -77,20 +80,29 @@ class Transformer(nn.Module):
         self.vocab_size = vocab_size
         self.pad_id = pad_id
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.part = part = part or StagePart.whole(cfg)
         sp = self.sequence_parallel
-        self.embed = VocabParallelEmbedding(
-            padded_vocab_size(vocab_size, tp.size, vocab_multiple), cfg.d_model, tp, pad_id, sp, vocab_size
-        )
+        if part.embedding:
+            self.embed = VocabParallelEmbedding(
+                padded_vocab_size(vocab_size, tp.size, vocab_multiple), cfg.d_model, tp, pad_id, sp, vocab_size
+            )
         self.register_buffer("positions", sinusoidal_positions(cfg.max_positions, cfg.d_model), persistent=False)
         self.embed_dropout = Dropout(cfg.dropout, rng, split_dim=SEQ_DIM if sp else None)
-        self.encoder = nn.ModuleList(EncoderLayer(cfg, tp, rng, sp) for _ in range(cfg.encoder_layers))
-        self.decoder = nn.ModuleList(DecoderLayer(cfg, tp, rng, sp) for _ in range(cfg.decoder_layers))
+        self.encoder = _layer_stack(part.encoder, lambda: EncoderLayer(cfg, tp, rng, sp))
+        self.decoder = _layer_stack(part.decoder, lambda: DecoderLayer(cfg, tp, rng, sp))
         # Pre-LN needs a final LayerNorm on each stack; post-LN layers already end with one.
         pre = cfg.norm == "pre"
-        self.encoder_norm = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp) if pre else nn.Identity()
-        self.decoder_norm = LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp) if pre else nn.Identity()
+        norm = lambda: LayerNorm(cfg.d_model, tp, cfg.layernorm_eps, sp)  # noqa: E731
+        self.encoder_norm = norm() if pre and part.ends_encoder else nn.Identity()
+        self.decoder_norm = norm() if pre and part.last else nn.Identity()
         self.activation_checkpointing = cfg.activation_checkpointing
         init_parameters(self, seed, tp)
+        if part.embedding == COPY:
+            # A pipeline stage other than the first uses the table but does not own it: a
+            # plain tensor that the pipeline refreshes from the owner after every step.
+            weight = self.embed.weight.detach()
+            del self.embed.weight
+            self.embed.register_buffer("weight", weight, persistent=False)
 
     # ---- building blocks ------------------------------------------------------------------
 
@@ -170,14 +182,25 @@ class Transformer(nn.Module):
         tokens of a batch on the host when it collates it).
         """
         if self.sequence_parallel:  # every rank holds an equal part of each sequence
-            src = _pad_to_multiple(src, self.tp.size, self.pad_id)
-            tgt_in = _pad_to_multiple(tgt_in, self.tp.size, self.pad_id)
-            tgt_out = _pad_to_multiple(tgt_out, self.tp.size, self.pad_id)
+            src = pad_to_multiple(src, self.tp.size, self.pad_id)
+            tgt_in = pad_to_multiple(tgt_in, self.tp.size, self.pad_id)
+            tgt_out = pad_to_multiple(tgt_out, self.tp.size, self.pad_id)
         logits = self(src, tgt_in)
         per_token = vocab_parallel_cross_entropy(
             logits.flatten(0, 1), tgt_out.flatten(), self.tp, self.vocab_size, label_smoothing, self.pad_id
         )
         return per_token.sum(), tgt_out.ne(self.pad_id).sum()
+
+
+def _layer_stack(indices: range, make) -> nn.Module:
+    """The layers ``indices`` of a stack, named by their index in the whole model (``encoder.3.*`` on any stage).
+
+    The whole stack is a ``ModuleList``; a pipeline stage's part of it a ``ModuleDict``
+    keyed by the layer numbers, so that parameter names never depend on the pipeline cut.
+    """
+    if indices.start == 0:
+        return nn.ModuleList(make() for _ in indices)
+    return nn.ModuleDict({str(i): make() for i in indices})
 
 
 def checkpoint_with_rng(layer: nn.Module, rng: DropoutRNG, *args) -> torch.Tensor:

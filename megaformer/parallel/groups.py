@@ -106,10 +106,25 @@ class ParallelContext:
     hosts: tuple[str, ...] = ()
     owns_world: bool = False
     groups: tuple[dist.ProcessGroup, ...] = ()
+    pp_group: dist.ProcessGroup | None = None  # this rank's pipeline: the stages of its (DP, TP) place
+    model_group: dist.ProcessGroup | None = None  # TP x PP: the ranks holding one model replica
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.layout.tp
+        return self.layout.coordinates(self.rank)[1]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.coordinates(self.rank)[0]
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pp
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """The global rank of stage ``pp_rank`` of this rank's pipeline."""
+        _, dp_rank, tp_rank = self.layout.coordinates(self.rank)
+        return self.layout.rank_of(pp_rank, dp_rank, tp_rank)
 
     @property
     def dp_size(self) -> int:
@@ -169,20 +184,33 @@ class ParallelContext:
         dist.all_gather_object(hosts, socket.gethostname())
         check_tp_within_nodes(layout, hosts)
         if rank == 0 and len(set(hosts)) > 1:
-            print(f"parallel: tp={layout.tp} dp={layout.dp}; {describe_nodes(hosts)}", flush=True)
+            print(f"parallel: tp={layout.tp} dp={layout.dp} pp={layout.pp}; {describe_nodes(hosts)}", flush=True)
         # new_group must be called by every rank for every group, in the same order.
         created: list[dist.ProcessGroup] = []
-        tp_group = dp_group = None
-        for ranks in layout.tp_groups():
-            created.append(dist.new_group(ranks))
-            if rank in ranks:
-                tp_group = created[-1]
-        for ranks in layout.dp_groups():
-            created.append(dist.new_group(ranks))
-            if rank in ranks:
-                dp_group = created[-1]
-        tp = TPGroup(group=tp_group, size=layout.tp, rank=rank % layout.tp) if layout.tp > 1 else LOCAL
-        return cls(layout, rank, local_rank, tp, dp_group, device, backend, tuple(hosts), owns_world, tuple(created))
+        mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "dp": None, "pp": None, "model": None}
+        kinds = [("tp", layout.tp_groups()), ("dp", layout.dp_groups())]
+        if layout.pp > 1:
+            kinds += [("pp", layout.pp_groups()), ("model", layout.model_groups())]
+        for kind, all_ranks in kinds:
+            for ranks in all_ranks:
+                created.append(dist.new_group(ranks))
+                if rank in ranks:
+                    mine[kind] = created[-1]
+        tp = TPGroup(group=mine["tp"], size=layout.tp, rank=rank % layout.tp) if layout.tp > 1 else LOCAL
+        return cls(
+            layout,
+            rank,
+            local_rank,
+            tp,
+            mine["dp"],
+            device,
+            backend,
+            tuple(hosts),
+            owns_world,
+            tuple(created),
+            pp_group=mine["pp"],
+            model_group=mine["model"] if layout.pp > 1 else tp.group,
+        )
 
     def destroy(self) -> None:
         """End what :meth:`initialize` created: the whole of ``torch.distributed`` if it started

@@ -27,36 +27,70 @@ def padded_vocab_size(vocab_size: int, tp: int, multiple: int = 128) -> int:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """World = DP x TP with TP ranks contiguous: rank r has tp_rank r % tp and dp_rank r // tp."""
+    """World = PP x DP x TP, TP innermost: rank r has tp_rank r % tp, dp_rank (r // tp) % dp, pp_rank r // (tp dp).
+
+    TP ranks are contiguous (inside a node), then DP, then pipeline stages, so that the
+    stages of a large job sit on different nodes and only point-to-point activations
+    cross between them.
+    """
 
     world_size: int
     tp: int
     dp: int
+    pp: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelLayout:
         if cfg.tp < 1:
             raise ConfigError(f"parallel.tp must be at least 1, got {cfg.tp}")
-        if world_size % cfg.tp:
+        if cfg.pp < 1:
+            raise ConfigError(f"parallel.pp must be at least 1, got {cfg.pp}")
+        model_ranks = cfg.tp * cfg.pp
+        model = (
+            f"parallel.tp x parallel.pp = {cfg.tp} x {cfg.pp} = {model_ranks}"
+            if cfg.pp > 1
+            else f"parallel.tp={cfg.tp}"
+        )
+        if world_size % model_ranks:
             raise ConfigError(
-                f"parallel.tp={cfg.tp} does not divide the world size {world_size}: "
-                f"launch a multiple of {cfg.tp} processes or choose a tp that divides {world_size}"
+                f"{model} does not divide the world size {world_size}: launch a multiple of {model_ranks} "
+                f"processes or choose a layout whose model ranks divide {world_size}"
             )
-        dp = cfg.dp or world_size // cfg.tp
-        if cfg.tp * dp != world_size:
+        dp = cfg.dp or world_size // model_ranks
+        if model_ranks * dp != world_size:
+            names, sizes = (
+                ("tp x parallel.dp x parallel.pp", f"{cfg.tp} x {dp} x {cfg.pp}")
+                if cfg.pp > 1
+                else ("tp x parallel.dp", f"{cfg.tp} x {dp}")
+            )
             raise ConfigError(
-                f"parallel.tp x parallel.dp = {cfg.tp} x {dp} = {cfg.tp * dp} but the world size is {world_size}: "
-                f"set parallel.dp={world_size // cfg.tp} (or 0 to derive it)"
+                f"parallel.{names} = {sizes} = {model_ranks * dp} but the world size is {world_size}: "
+                f"set parallel.dp={world_size // model_ranks} (or 0 to derive it)"
             )
-        return cls(world_size=world_size, tp=cfg.tp, dp=dp)
+        return cls(world_size=world_size, tp=cfg.tp, dp=dp, pp=cfg.pp)
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of ``rank``."""
+        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
 
     def tp_groups(self) -> list[list[int]]:
         """Ranks of each tensor-parallel group: contiguous, so TP stays inside a node."""
-        return [list(range(d * self.tp, (d + 1) * self.tp)) for d in range(self.dp)]
+        return [[self.rank_of(p, d, t) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 
     def dp_groups(self) -> list[list[int]]:
-        """Ranks of each data-parallel group: the ranks that hold the same model shard."""
-        return [list(range(t, self.world_size, self.tp)) for t in range(self.tp)]
+        """Ranks of each data-parallel group: the ranks that hold the same model shard (same stage, same TP rank)."""
+        return [[self.rank_of(p, d, t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def pp_groups(self) -> list[list[int]]:
+        """Ranks of each pipeline: one per (DP, TP) place, its stages in order."""
+        return [[self.rank_of(p, d, t) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+    def model_groups(self) -> list[list[int]]:
+        """Ranks that together hold one model replica (TP x PP, one DP place): gradient norms and overflow."""
+        return [[self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
 
 
 def check_model_split(model: ModelConfig, tp: int) -> None:

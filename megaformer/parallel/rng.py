@@ -124,6 +124,19 @@ class DropoutRNG:
         """The state a fresh :class:`DropoutRNG` of this seed, TP rank and data stream starts from."""
         return {"shared": [_mix(seed, stream, "shared"), 0], "local": [_mix(seed, stream, tp_rank, "local"), 0]}
 
+    def stream_of(self, split_dim: int | None) -> str:
+        """``shared`` or ``local``: the stream a mask of a tensor split along ``split_dim`` (None: replicated) uses."""
+        if split_dim is None or self.tp.size == 1 or self.mode == "exact":
+            return "shared"
+        return "local"
+
+    def draws_of(self, p: float, split_dim: int | None) -> dict[str, int]:
+        """Masks one dropout call of probability ``p`` draws from each stream in training (one, or none at p=0)."""
+        counts = {"shared": 0, "local": 0}
+        if p > 0.0:
+            counts[self.stream_of(split_dim)] += 1
+        return counts
+
     def keep_mask(self, x: torch.Tensor, p: float, split_dim: int | None) -> torch.Tensor:
         """A 0/1 mask (dtype of ``x``) of the elements kept with probability 1 - p (p rounded to 2^-16).
 
@@ -131,14 +144,12 @@ class DropoutRNG:
         tensor split over the TP group (None: ``x`` is replicated).
         """
         shape = list(x.shape)
-        if split_dim is None or self.tp.size == 1:
-            stream, narrow = self.shared, None
-        elif self.mode == "fast":
-            stream, narrow = self.local, None
-        else:
+        narrow = None
+        stream = getattr(self, self.stream_of(split_dim))
+        if stream is self.shared and split_dim is not None and self.tp.size > 1:
             dim = split_dim % x.dim()
             shape[dim] *= self.tp.size
-            stream, narrow = self.shared, (dim, self.tp.rank * x.shape[dim], x.shape[dim])
+            narrow = (dim, self.tp.rank * x.shape[dim], x.shape[dim])
         bits = _random_bits16(shape, stream.next_generator(x.device), x.device)
         if narrow is not None:
             bits = bits.narrow(*narrow)  # compare only this rank's slice
@@ -191,6 +202,10 @@ class Dropout(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.rng.dropout(x, self.p, self.training, self.split_dim)
+
+    def mask_draws(self) -> dict[str, int]:
+        """Masks one training forward draws from each stream (pipeline stages count their share)."""
+        return self.rng.draws_of(self.p, self.split_dim)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, split_dim={self.split_dim}"

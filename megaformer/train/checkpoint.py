@@ -71,8 +71,16 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def model_file_name(tp_rank: int, tp_size: int) -> str:
-    return f"model-tp{tp_rank:02d}-of-{tp_size:02d}.pt"
+def model_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """``model-tp00-of-02.pt``; a pipelined run's stages ``model-pp01-of-04-tp00-of-02.pt``."""
+    stage = f"pp{pp_rank:02d}-of-{pp_size:02d}-" if pp_size > 1 else ""
+    return f"model-{stage}tp{tp_rank:02d}-of-{tp_size:02d}.pt"
+
+
+def _model_files(meta: dict) -> list[list[str]]:
+    """The model files of a checkpoint: one list of TP shards per pipeline stage."""
+    tp, pp = meta["layout"]["tp"], meta["layout"].get("pp", 1)
+    return [[model_file_name(r, tp, s, pp) for r in range(tp)] for s in range(pp)]
 
 
 def rank_file_name(rank: int) -> str:
@@ -181,14 +189,13 @@ def merged_state(
     """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions)."""
     from megaformer.parallel.sharding import merge_shards
 
-    tp = meta["layout"]["tp"]
-    shards = [read_shard(step_dir, meta, model_file_name(r, tp)) for r in range(tp)]
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for key in keys:
-        out[key] = {}
-        for name in shards[0][key]:
-            dim, partitions = shard_info.get(name, (None, 1))
-            out[key][name] = merge_shards([s[key][name] for s in shards], dim, partitions)
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
+    for stage in _model_files(meta):  # a pipelined run's stages hold disjoint sets of names
+        shards = [read_shard(step_dir, meta, name) for name in stage]
+        for key in keys:
+            for name in shards[0][key]:
+                dim, partitions = shard_info.get(name, (None, 1))
+                out[key][name] = merge_shards([s[key][name] for s in shards], dim, partitions)
     return out
 
 
@@ -287,7 +294,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier(ctx)
     if ctx.dp_rank == 0:
-        atomic_torch_save(state.shard, tmp / model_file_name(ctx.tp.rank, ctx.layout.tp))
+        name = model_file_name(ctx.tp.rank, ctx.layout.tp, ctx.pp_rank, ctx.pp_size)
+        atomic_torch_save(state.shard, tmp / name)
     atomic_torch_save(state.rank, tmp / rank_file_name(ctx.rank))
     replicas = [None] * ctx.layout.world_size
     if dist.is_initialized():
@@ -298,7 +306,11 @@ def save_checkpoint(
     if ctx.is_main:
         if tokenizer is not None and Path(tokenizer).is_file():
             shutil.copyfile(tokenizer, tmp / "tokenizer.model")
-        layout = {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "world": ctx.layout.world_size}
+        layout = {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.pp_size, "world": ctx.layout.world_size}
+        meta = dict(meta)
+        stages = meta.pop("stages", None)
+        if stages is not None:
+            layout["stages"] = stages
         full_meta = {
             **meta,
             "format": CHECKPOINT_FORMAT,
@@ -335,31 +347,40 @@ class LoadedCheckpoint:
         return self.meta["run"]
 
     def replicas_of_dp_ranks(self) -> list[dict]:
-        """The replica states of the first TP rank of every old DP rank."""
+        """The replica states of the first TP rank of every old DP rank (of the first stage: the stages
+        of a replica read the same data and keep the same dropout positions)."""
         rl = self.meta["rank_layout"]
         return [self.meta["replicas"][d * rl["tp"]] for d in range(rl["dp"])]
 
     def replica_at(self, dp_rank: int, tp_rank: int) -> dict | None:
-        """The replica state of the old rank at (``dp_rank``, ``tp_rank``), if it existed."""
+        """The replica state of the old rank at (``dp_rank``, ``tp_rank``) of the first stage, if it existed."""
         rl = self.meta["rank_layout"]
         if dp_rank < rl["dp"] and tp_rank < rl["tp"]:
             return self.meta["replicas"][dp_rank * rl["tp"] + tp_rank]
         return None
 
 
-def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module) -> LoadedCheckpoint:
-    """Read ``step_dir`` for this rank: the same TP size reads its own shard, another merges and re-splits."""
+def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
+    """Read ``step_dir`` for this rank: the same layout reads its own shard, another merges and re-splits.
+
+    ``stages``: layers per pipeline stage of this run (None without a pipeline); a
+    checkpoint cut otherwise (another pp or pp_split) is merged and this stage's layers taken.
+    """
     from megaformer.parallel.sharding import shard_full
 
     meta = check_complete(step_dir)
-    old_tp = meta["layout"]["tp"]
-    if old_tp == ctx.layout.tp:
-        shard = read_shard(step_dir, meta, model_file_name(ctx.tp.rank, old_tp))
-    else:
+    old = meta["layout"]
+    names = {n for n, _ in model.named_parameters()}
+    same_cut = old.get("pp", 1) == ctx.pp_size and old.get("stages") == stages
+    if old["tp"] == ctx.layout.tp and same_cut:
+        shard = read_shard(step_dir, meta, model_file_name(ctx.tp.rank, old["tp"], ctx.pp_rank, ctx.pp_size))
+    else:  # another TP size or pipeline cut: merge every shard, keep this stage's names, split for this TP rank
         info = shard_info_of(model)
         full = merged_state(step_dir, meta, info)
-        shard = {key: {n: shard_full(t, *info[n], ctx.tp) for n, t in tensors.items()} for key, tensors in full.items()}
-    names = {n for n, _ in model.named_parameters()}
+        shard = {
+            key: {n: shard_full(t, *info[n], ctx.tp) for n, t in tensors.items() if n in names}
+            for key, tensors in full.items()
+        }
     if set(shard["param"]) != names:
         missing, extra = sorted(names - set(shard["param"])), sorted(set(shard["param"]) - names)
         raise CheckpointError(
@@ -368,8 +389,8 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module) -> LoadedCheckp
         )
     rl = meta["rank_layout"]
     rank = None
-    if ctx.dp_rank < rl["dp"] and ctx.tp.rank < rl["tp"]:
-        name = rank_file_name(ctx.dp_rank * rl["tp"] + ctx.tp.rank)
+    if ctx.dp_rank < rl["dp"] and ctx.tp.rank < rl["tp"] and ctx.pp_rank < rl.get("pp", 1):
+        name = rank_file_name((ctx.pp_rank * rl["dp"] + ctx.dp_rank) * rl["tp"] + ctx.tp.rank)
         if name in meta["files"]:
             rank = read_shard(step_dir, meta, name)
     return LoadedCheckpoint(meta, shard, rank)
@@ -413,8 +434,9 @@ def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
         if name.startswith("rank-") or name == "tokenizer.model":
             shutil.copyfile(src / name, tmp / name)
     new_meta = dict(meta)
-    new_meta["layout"] = {"tp": tp, "dp": meta["layout"]["dp"], "world": tp * meta["layout"]["dp"]}
-    new_meta["config"] = {**meta["config"], "parallel": {**meta["config"]["parallel"], "tp": tp, "dp": 0}}
+    new_meta["layout"] = {"tp": tp, "dp": meta["layout"]["dp"], "pp": 1, "world": tp * meta["layout"]["dp"]}
+    parallel = {**meta["config"]["parallel"], "tp": tp, "dp": 0, "pp": 1, "pp_split": ""}
+    new_meta["config"] = {**meta["config"], "parallel": parallel}
     new_meta["files"] = _file_entries(tmp)
     atomic_write_text(tmp / "meta.json", json.dumps(new_meta, indent=1))
     os.replace(tmp, target)

@@ -19,6 +19,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,14 @@ LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hyster
 
 
 class ModelParallelUnit:
-    """The ``mpu`` DeepSpeed asks for: getters over our context, nothing global."""
+    """The ``mpu`` DeepSpeed asks for: getters over our context, nothing global.
+
+    The *model-parallel group* is Megatron's: the ranks that hold one replica (TP x PP).
+    DeepSpeed sums gradient norms and agrees on fp16 overflow over it, so every pipeline
+    stage clips by the same norm and skips the same steps. The model-parallel *rank* is
+    the TP rank: DeepSpeed counts a replicated parameter's norm only where it is 0, which
+    must be once per stage (each stage holds other parameters).
+    """
 
     def __init__(self, ctx: ParallelContext) -> None:
         self.ctx = ctx
@@ -52,10 +60,22 @@ class ModelParallelUnit:
         return self.ctx.tp.rank
 
     def get_model_parallel_world_size(self) -> int:
-        return self.ctx.tp.size
+        return self.ctx.tp.size * self.ctx.pp_size
 
     def get_model_parallel_group(self):
+        return self.ctx.model_group
+
+    def get_tensor_model_parallel_group(self):
         return self.ctx.tp.group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.ctx.tp.size
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.ctx.pp_size
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.ctx.pp_rank
 
     def get_data_parallel_rank(self) -> int:
         return self.ctx.dp_rank
@@ -66,10 +86,8 @@ class ModelParallelUnit:
     def get_data_parallel_group(self):
         return self.ctx.dp_group
 
-    # Newer DeepSpeed releases ask with these names.
+    # Newer DeepSpeed releases ask for the TP rank with this name.
     get_tensor_model_parallel_rank = get_model_parallel_rank
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_group = get_model_parallel_group
 
 
 def check_precision(train: TrainConfig) -> None:
@@ -177,10 +195,19 @@ class Engine:
     def train(self) -> None:
         self.ds.train()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
+        """DeepSpeed's backward (loss scaling, gradient reduction at the accumulation boundary).
+
+        ``scale_wrt_gas=False`` for a scalar whose gradient is already divided by the
+        accumulation steps (a pipeline stage's surrogate of its received gradients).
+        """
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DEEPSPEED_NOISE, category=FutureWarning)
-            self.ds.backward(loss)
+            self.ds.backward(loss, scale_wrt_gas=scale_wrt_gas)
+
+    def set_boundary(self, last: bool) -> None:
+        """Say whether the next backward is the step's last (a pipeline runs every backward before one step)."""
+        self.ds.set_gradient_accumulation_boundary(last)
 
     def step(self) -> None:
         """DeepSpeed's step: the optimizer update at the last micro-batch of an accumulation."""
@@ -216,7 +243,10 @@ class Engine:
                     replicated += square
         if self.ctx.tp.size > 1:  # shards add up over the TP group; replicated tensors count once
             dist.all_reduce(split, group=self.ctx.tp.group)
-        self.last_grad_norm = float((split + replicated).sqrt().item())
+        total = split + replicated
+        if self.ctx.pp_size > 1:  # each stage holds other parameters (embedding copies are none)
+            dist.all_reduce(total, group=self.ctx.pp_group)
+        self.last_grad_norm = float(total.sqrt().item())
 
     # ---- state ------------------------------------------------------------------------------
 
@@ -265,9 +295,20 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     fp16_on_cpu = cfg.train.precision == "fp16" and ctx.device.type == "cpu"
     with _fp16_allowed_on_cpu() if fp16_on_cpu else contextlib.nullcontext():
         ds, _, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=ModelParallelUnit(ctx)
+            args=_device_args(ctx.device),
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            config=ds_config,
+            mpu=ModelParallelUnit(ctx),
         )
     return Engine(ds=ds, accumulation=ds_config["gradient_accumulation_steps"], ctx=ctx)
+
+
+def _device_args(device: torch.device) -> SimpleNamespace | None:
+    """Tell DeepSpeed the rank's GPU: by default it takes ``cuda:<LOCAL_RANK>``, which does not exist when
+    ranks share a GPU (gloo, ``parallel.device=cuda``) or a task sees only its own GPU as ``cuda:0``."""
+    return SimpleNamespace(device_rank=device.index) if device.type == "cuda" and device.index is not None else None
 
 
 def _use_accelerator_of(device: torch.device) -> None:

@@ -31,6 +31,9 @@ from megaformer.errors import ConfigError, TrainingError
 from megaformer.info import model_info
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext, vocab_parallel_cross_entropy
+from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
+from megaformer.pipeline.split import plan_stages
+from megaformer.pipeline.stage import StageBatch
 from megaformer.train import checkpoint as ckpt
 from megaformer.train.batching import plan_step
 from megaformer.train.device import configure_math
@@ -72,14 +75,50 @@ def accumulate(
     return loss_sum
 
 
-def _pad_for_sequence_parallel(batch: Batch, tp: int, pad_id: int) -> tuple[torch.Tensor, ...]:
-    """src, tgt_in, tgt_out with lengths padded to a multiple of ``tp`` (every rank holds an equal part)."""
+def pipeline_step(
+    engine: Engine, pipeline: Pipeline, feed: DataFeed, micro: Sequence[MicroBatch], tokens: float, t
+) -> torch.Tensor:
+    """One optimizer step through this rank's pipeline stage; the stage's summed loss (0 off the last stage).
 
-    def pad(ids: torch.Tensor) -> torch.Tensor:
-        extra = -ids.shape[1] % tp
-        return ids if extra == 0 else torch.nn.functional.pad(ids, (0, extra), value=pad_id)
+    Every backward of the step runs before the one optimizer step (the pipeline's
+    transfers must all be done before the step's collectives over the stages), so the
+    engine is told which backward is the step's last.
+    """
+    scale = engine.accumulation * engine.ctx.dp_size / tokens
+    seen: dict[int, int] = {}
+    batches = []
+    for m in micro:
+        index = seen.get(m.stream, 0)
+        seen[m.stream] = index + 1
+        b = m.batch.to(engine.ctx.device)
+        batch = StageBatch.of(b.src, b.tgt_in, b.tgt_out, engine.module)
+        batches.append(PipeMicroBatch(batch, pipeline.dropout_state(feed.dropout[m.stream], index)))
+    done = 0
 
-    return pad(batch.src), pad(batch.tgt_in), pad(batch.tgt_out)
+    def backward(scalar: torch.Tensor, scaled: bool) -> None:
+        nonlocal done
+        done += 1
+        engine.set_boundary(done == len(batches))
+        engine.backward(scalar, scale_wrt_gas=scaled)
+
+    loss = pipeline.train_step(batches, scale, t.label_smoothing, backward, engine.loss_scale())
+    for stream, count in seen.items():
+        pipeline.advance(feed.dropout[stream], count)
+    engine.note_grad_norm()
+    engine.step()
+    pipeline.sync_embedding()
+    return loss
+
+
+def _add_pipeline_valid(pipeline: Pipeline, b: Batch, smoothing: float, sums: list[float]) -> None:
+    """Validation of one batch through the pipeline: the last stage adds its loss, NLL and tokens."""
+    batch = StageBatch.of(b.src, b.tgt_in, b.tgt_out, pipeline.model)
+    smoothed = pipeline.forward_only(batch, smoothing)
+    nll = pipeline.forward_only(batch, 0.0)
+    if smoothed is not None:
+        sums[0] += smoothed[0].item()
+        sums[1] += nll[0].item()
+        sums[2] += b.tgt_tokens
 
 
 class Trainer:
@@ -102,6 +141,7 @@ class Trainer:
         t = cfg.train
         self.log(f"train: {configure_math(ctx.device, t.precision)}")
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
+        self.stages = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)
         self.model = Transformer(
             cfg.model,
             cfg.data.vocab_size,
@@ -111,6 +151,7 @@ class Trainer:
             sequence_parallel=cfg.parallel.sequence_parallel,
             vocab_multiple=cfg.parallel.vocab_multiple,
             pad_id=PAD_ID,
+            part=self.stages[ctx.pp_rank],
         ).to(ctx.device)
         streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
         # The step stays within 10 % of train.tokens_per_step at any DP size (smaller micro-batches if needed).
@@ -119,6 +160,7 @@ class Trainer:
             self._stream, streams, ctx.dp_rank, ctx.dp_size, self.plan.micro_batches_per_stream, self.rng, t.seed
         )
         self.engine: Engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)
+        self.pipeline = Pipeline(ctx, self.model, self.stages) if ctx.pp_size > 1 else None
         self.parameters = model_info(cfg)["parameters"]
         # The peak of all devices together. On a CPU every rank measures at the same time (as
         # they train): ranks that share cores then measure the share they really get.
@@ -129,8 +171,11 @@ class Trainer:
         self.train_seconds = 0.0
         if saved:
             self._load(self.start_dir)
+        if self.pipeline is not None:
+            self.pipeline.sync_embedding()
+            self.log(f"train: pipeline of {ctx.pp_size} stages: " + "; ".join(p.describe() for p in self.stages))
         self.log(
-            f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} "
+            f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} pp={ctx.pp_size} "
             f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batches of <= "
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data streams, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
@@ -172,7 +217,7 @@ class Trainer:
         self.tokens, self.train_seconds = int(state["tokens"]), float(state["train_seconds"])
 
     def _load(self, step_dir: Path) -> None:
-        loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model)
+        loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model, self._stage_counts())
         self.engine.load_state_dict({"tensors": loaded.shard, "counters": loaded.run["engine"]})
         self.load_state_dict(loaded.run["trainer"])
         same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
@@ -185,9 +230,15 @@ class Trainer:
         if loaded.rank is not None:
             torch.set_rng_state(loaded.rank["torch_rng"])
         old, new = loaded.meta["layout"], self.ctx.layout
-        moved = (old["tp"], old["dp"]) != (new.tp, new.dp)
-        change = f", layout tp={old['tp']} dp={old['dp']} -> tp={new.tp} dp={new.dp}" if moved else ""
+        before = (old["tp"], old["dp"], old.get("pp", 1))
+        moved = before != (new.tp, new.dp, new.pp)
+        change = f", layout tp={before[0]} dp={before[1]} pp={before[2]} -> tp={new.tp} dp={new.dp} pp={new.pp}"
+        change = change if moved else ""
         self.log(f"train: resumed from {step_dir} (step {loaded.meta['step']}, {self.tokens:,} target tokens{change})")
+
+    def _stage_counts(self) -> list[int] | None:
+        """Layers per pipeline stage, as meta.json keeps them (None without a pipeline)."""
+        return [len(p.encoder) + len(p.decoder) for p in self.stages] if self.ctx.pp_size > 1 else None
 
     def save(self, reason: str) -> Path:
         engine = self.engine.state_dict()
@@ -202,6 +253,7 @@ class Trainer:
                 rank={"torch_rng": torch.get_rng_state()},
             ),
             meta={
+                "stages": self._stage_counts(),
                 "tokens": self.tokens,
                 "vocab_size": self.cfg.data.vocab_size,
                 "config": to_dict(self.cfg),
@@ -233,15 +285,20 @@ class Trainer:
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
         reduced = self._world_sum([local] + flags)
-        tokens, flags = reduced[0] / self.ctx.layout.tp, reduced[1:]
+        # Every rank of a replica (TP x PP) counted the same tokens.
+        tokens, flags = reduced[0] / (self.ctx.layout.tp * self.ctx.pp_size), reduced[1:]
         skipped_before = self.engine.skipped_steps
-        loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
+        if self.pipeline is None:
+            loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
+        else:
+            loss = float(pipeline_step(self.engine, self.pipeline, self.feed, micro, tokens, self.cfg.train))
         # DeepSpeed skips the update on inf/NaN gradients in every precision; only in fp16 is that the
         # loss scaler's overflow (lower the scale, go on). In fp32 and bf16 it is a diverged run.
         skipped = self.engine.skipped_steps > skipped_before and self.cfg.train.precision == "fp16"
         norm = self.engine.grad_norm()
         non_finite = not math.isfinite(loss) or (norm is not None and not math.isfinite(norm))
         broken = not skipped and (non_finite or self.engine.skipped_steps > skipped_before)
+        # Only a pipeline's last stage holds the loss (the others add 0); TP peers hold it each.
         loss_sum, broken_ranks = self._world_sum([0.0 if skipped else loss, float(broken)])
         if broken_ranks:
             raise TrainingError(
@@ -262,9 +319,11 @@ class Trainer:
         pad_id, sums = self.model.pad_id, [0.0, 0.0, 0.0]
         for batch in stream:
             b = batch.to(self.ctx.device)
-            src, tgt_in, tgt_out = (b.src, b.tgt_in, b.tgt_out)
-            if self.cfg.parallel.sequence_parallel:
-                src, tgt_in, tgt_out = _pad_for_sequence_parallel(b, self.ctx.tp.size, pad_id)
+            if self.pipeline is not None:
+                _add_pipeline_valid(self.pipeline, b, self.cfg.train.label_smoothing, sums)
+                continue
+            padded = StageBatch.of(b.src, b.tgt_in, b.tgt_out, self.model)  # sequence parallelism splits evenly
+            src, tgt_in, tgt_out = padded.src, padded.tgt_in, padded.tgt_out
             logits = self.model(src, tgt_in).flatten(0, 1)
             args = (tgt_out.flatten(), self.ctx.tp, self.cfg.data.vocab_size)
             smoothed = vocab_parallel_cross_entropy(logits, *args, self.cfg.train.label_smoothing, pad_id).sum()
@@ -349,6 +408,11 @@ class Trainer:
             "skipped_steps": self.engine.skipped_steps,
             "train_seconds": self.train_seconds,
         }
+        if self.pipeline is not None:
+            # This stage's share of the window spent waiting for its neighbours: the bubble plus transfers.
+            waited = self.pipeline.wait_seconds - window.waited_from
+            record["pipeline_wait"] = waited / max(window.seconds, 1e-9)
+            window.waited_from = self.pipeline.wait_seconds
         logger.log(record)
         logger.console(record)
 
@@ -365,6 +429,8 @@ class _Window:
 
     def __init__(self) -> None:
         self.reset()
+
+    waited_from = 0.0  # the pipeline's wait counter at the window's start
 
     def reset(self) -> None:
         self.loss, self.tokens, self.seconds = 0.0, 0.0, 0.0

@@ -5,7 +5,8 @@ MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
 - ``kill``: SIGKILL this process after optimizer step N (on rank R);
 - ``kill_in_save``: SIGKILL right after this rank wrote its model file of checkpoint N;
 - ``usr1`` / ``term``: send SIGUSR1 / SIGTERM to this process after step N;
-- ``overflow``: make step N's loss infinite (fp16 overflow);
+- ``overflow``: make step N's loss infinite (fp16 overflow); in a pipeline, the gradients of
+  rank R's stage only;
 - ``nan``: make step N's loss NaN (a diverged run, in any precision).
 
 Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
@@ -36,6 +37,16 @@ def _patch_trainer(module):
 
     def step_with_fault(self, flags):
         target = self.engine.global_steps + 1
+        if what in ("overflow", "nan") and target == step and getattr(self, "pipeline", None) is not None:
+            # A pipeline stage: every backward of this rank's stage gets an infinite (NaN) gradient.
+            if not _mine(rank):
+                return original(self, flags)
+            backward, value = self.engine.backward, float("inf" if what == "overflow" else "nan")
+            self.engine.backward = lambda loss, **kw: backward(loss * value, **kw)
+            try:
+                return original(self, flags)
+            finally:
+                del self.engine.backward
         if what in ("overflow", "nan") and target == step:
             loss_fn, value = self.model.loss, float("inf" if what == "overflow" else "nan")
             self.model.loss = lambda *a, **k: (lambda out: (out[0] * value, out[1]))(loss_fn(*a, **k))

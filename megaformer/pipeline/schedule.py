@@ -1,0 +1,266 @@
+"""The 1F1B pipeline schedule over one optimizer step's micro-batches.
+
+Why our own schedule rather than ``torch.distributed.pipelining``: its schedules
+allocate receive buffers from shapes inferred once, while token-count batches change
+shape every micro-batch; and its 1F1B passes one output from stage to stage, while the
+encoder output must reach every decoder stage (pytorch#127964). DeepSpeed's
+``PipelineModule`` likewise fixes tensor shapes. What is ours is small: the order of
+forwards and backwards (Megatron's non-interleaved 1F1B: ``p - s - 1`` warm-up
+forwards on stage ``s``, then one forward and one backward in turn, then the
+remaining backwards), and which tensors travel (:mod:`megaformer.pipeline.stage`).
+The transfers are torch's ``batch_isend_irecv``, which runs on gloo and nccl; a send
+and the receive it waits for are posted together, as nccl needs.
+
+Three things keep a pipelined run the same run as an unpipelined one:
+
+* **Dropout masks.** Masks are counter-based (:mod:`megaformer.parallel.rng`): each
+  micro-batch draws a fixed number of masks per stream, and a stage knows how many the
+  stages before it draw, so it starts each micro-batch at the mask the whole model
+  would have drawn there.
+* **The shared embedding.** The first stage owns the table (the optimizer's copy,
+  the checkpoint's); the stage that embeds the target and the last stage (output
+  projection) hold a copy. At the end of a step each copy sends the gradient it
+  gathered over the step's micro-batches to the owner, which adds it through autograd
+  in its last backward (as the surrogate term ``sum(table * grad)``, so that DeepSpeed's
+  hooks and loss scaling treat it as any gradient): the optimizer sees the gradient of
+  one table used three times (Megatron's embedding group). After the step the owner sends the new table to the copies.
+* **One optimizer step everywhere.** Gradient norms and fp16 overflow are reduced over
+  the model group (TP x PP) by DeepSpeed, which receives that group from our
+  :class:`~megaformer.train.engine.ModelParallelUnit`, so every stage clips by the same
+  norm and skips the same steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megaformer.model import Transformer
+from megaformer.parallel import ParallelContext
+from megaformer.pipeline.split import OWN, StagePart
+from megaformer.pipeline.stage import StageBatch, input_shapes, mask_draws, stage_forward
+
+
+@dataclass
+class PipeMicroBatch:
+    """A micro-batch as the schedule sees it: its ids and the dropout state it starts from."""
+
+    batch: StageBatch
+    dropout: dict[str, list[int]]  # [seed, draws] per stream where the whole model's masks start
+
+
+Backward = Callable[[torch.Tensor, bool], None]  # (scalar, scaled_by_accumulation)
+
+
+class Pipeline:
+    """This rank's stage of a pipeline: the 1F1B step, forward-only evaluation and the embedding copies."""
+
+    def __init__(self, ctx: ParallelContext, model: Transformer, parts: Sequence[StagePart]) -> None:
+        self.ctx, self.model, self.parts = ctx, model, list(parts)
+        self.part = self.parts[ctx.pp_rank]
+        self.next_part = None if self.part.last else self.parts[self.part.index + 1]
+        self.prev_rank = None if self.part.first else ctx.stage_rank(self.part.index - 1)
+        self.next_rank = None if self.part.last else ctx.stage_rank(self.part.index + 1)
+        self.holders = [ctx.stage_rank(p.index) for p in self.parts if p.embedding]
+        self.owner = ctx.stage_rank(0)
+        # Masks per micro-batch of every stage, gathered once: where this stage's start.
+        mine = mask_draws(model)
+        counts = torch.tensor([mine["shared"], mine["local"]], dtype=torch.int64, device=ctx.device)
+        every = [torch.zeros_like(counts) for _ in range(ctx.pp_size)]
+        dist.all_gather(every, counts, group=ctx.pp_group)
+        every = [c.tolist() for c in every]
+        self.offset = {
+            "shared": sum(c[0] for c in every[: self.part.index]),
+            "local": sum(c[1] for c in every[: self.part.index]),
+        }
+        self.per_micro_batch = {"shared": sum(c[0] for c in every), "local": sum(c[1] for c in every)}
+        self.wait_seconds = 0.0  # time spent waiting for neighbours (the bubble, and transfer time)
+        self._embed_grad: torch.Tensor | None = None
+
+    # ---- dropout positions ------------------------------------------------------------------
+
+    def dropout_state(self, base: dict[str, list[int]], index: int) -> dict[str, list[int]]:
+        """Where micro-batch ``index`` of a stream whose masks were at ``base`` starts, on this stage."""
+        return {k: [base[k][0], base[k][1] + index * self.per_micro_batch[k] + self.offset[k]] for k in base}
+
+    def advance(self, base: dict[str, list[int]], micro_batches: int) -> None:
+        """Move a stream's state past ``micro_batches`` micro-batches (as the whole model's forwards would)."""
+        for k in base:
+            base[k][1] += micro_batches * self.per_micro_batch[k]
+
+    # ---- transfers ----------------------------------------------------------------------------
+
+    def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+        """Post every send and receive together, then wait for all of them.
+
+        The k-th tensor for one peer travels with tag k: gloo may deliver two messages
+        between the same ranks in either order, and the encoder output and the decoder
+        states have equal shapes whenever source and target are equally long.
+        """
+        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, tag=k) for t, peer, k in _tagged(sends)]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=k) for t, peer, k in _tagged(recvs)]
+        if not ops:
+            return
+        began = time.perf_counter()
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        self.wait_seconds += time.perf_counter() - began
+
+    def _empty(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        return [torch.empty(s, dtype=self.dtype, device=self.ctx.device) for s in shapes]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: the parameters' (DeepSpeed casts them for bf16 and fp16)."""
+        return next(self.model.parameters()).dtype
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def train_step(
+        self, micro: Sequence[PipeMicroBatch], scale: float, smoothing: float, backward: Backward, loss_scale: float
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch in 1F1B order; returns this stage's summed loss (0 off the last).
+
+        ``scale`` multiplies each micro-batch's summed loss (the trainer's token
+        normalisation); ``backward(scalar, scaled)`` runs the engine's backward, with
+        ``scaled`` False for the surrogate ``sum(output * grad)`` of an inner stage
+        (its gradient is already scaled); ``loss_scale`` is the fp16 loss scale the
+        engine multiplies every backward scalar by.
+        """
+        m, stages, s = len(micro), self.ctx.pp_size, self.part.index
+        warmup = min(stages - s - 1, m)
+        pending: deque = deque()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        self._embed_grad = None
+        done = 0
+
+        def forward(i: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            nonlocal loss_sum
+            for t in inputs:
+                t.requires_grad_(True)
+            self._copy_needs_grad()
+            with self.model.rng.fork(micro[i].dropout):
+                out = stage_forward(self.model, inputs, micro[i].batch, self.next_part, smoothing)
+            if self.next_part is None:
+                loss, _ = out
+                loss_sum = loss_sum + loss.detach().float()
+                pending.append((inputs, [loss * scale]))
+                return []
+            pending.append((inputs, out))
+            return out
+
+        def run_backward(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+            nonlocal done
+            inputs, outputs = pending.popleft()
+            done += 1
+            if self.next_part is None:
+                backward(outputs[0], True)
+            else:
+                # d/d(o) of sum(o * g) is g: the received gradient enters autograd (and every DeepSpeed
+                # hook) unchanged; the engine multiplies by the loss scale, so it is divided out first.
+                pairs = list(zip(outputs, grads, strict=True))
+                if done == m and self.part.embedding == OWN:
+                    pairs.append((self.model.embed.weight, self._copies_grad()))
+                backward(sum((o.float() * (g.float() / loss_scale)).sum() for o, g in pairs), False)
+            self._gather_copy_grad()
+            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+
+        def shapes_in(i: int) -> list[tuple[int, ...]]:
+            return input_shapes(self.part, micro[i].batch, self.model)
+
+        def recv_forward(i: int) -> list[torch.Tensor]:
+            tensors = self._empty(shapes_in(i)) if self.prev_rank is not None else []
+            self._exchange([], [(t, self.prev_rank) for t in tensors])
+            return tensors
+
+        def out_grads(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [torch.empty_like(o) for o in outputs]
+
+        for i in range(warmup):
+            out = forward(i, recv_forward(i))
+            self._exchange([(o.detach(), self.next_rank) for o in out], [])
+        inputs = recv_forward(warmup) if warmup < m else []
+        for i in range(warmup, m):
+            out = forward(i, inputs)
+            grads = out_grads(pending[0][1]) if self.next_rank is not None else []
+            self._exchange([(o.detach(), self.next_rank) for o in out], [(g, self.next_rank) for g in grads])
+            in_grads = run_backward(grads)
+            sends = [(g, self.prev_rank) for g in in_grads] if self.prev_rank is not None else []
+            if i + 1 < m:
+                inputs = self._empty(shapes_in(i + 1)) if self.prev_rank is not None else []
+                self._exchange(sends, [(t, self.prev_rank) for t in inputs])
+            else:
+                self._exchange(sends, [])
+        while pending:
+            grads = out_grads(pending[0][1])
+            self._exchange([], [(g, self.next_rank) for g in grads])
+            in_grads = run_backward(grads)
+            if self.prev_rank is not None:
+                self._exchange([(g, self.prev_rank) for g in in_grads], [])
+        if self.part.embedding not in (None, OWN):
+            self._exchange([(self._embed_grad, self.owner)], [])
+        return loss_sum
+
+    # ---- forward only ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_only(self, batch: StageBatch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One batch through the pipeline without gradients; the last stage returns its loss sum and tokens."""
+        inputs = self._empty(input_shapes(self.part, batch, self.model)) if self.prev_rank is not None else []
+        self._exchange([], [(t, self.prev_rank) for t in inputs])
+        out = stage_forward(self.model, inputs, batch, self.next_part, smoothing)
+        if self.next_part is None:
+            return out
+        self._exchange([(o, self.next_rank) for o in out], [])
+        return None
+
+    # ---- the shared embedding ----------------------------------------------------------------------
+
+    def _copy_needs_grad(self) -> None:
+        if self.part.embedding not in (None, OWN):
+            self.model.embed.weight.requires_grad_(True)
+
+    def _gather_copy_grad(self) -> None:
+        """A copy's gradient of this micro-batch, summed in fp32 over the step (sent to the owner at its end)."""
+        if self.part.embedding in (None, OWN):
+            return
+        weight = self.model.embed.weight
+        if weight.grad is not None:
+            grad = weight.grad.float()
+            self._embed_grad = grad if self._embed_grad is None else self._embed_grad + grad
+            weight.grad = None
+
+    def _copies_grad(self) -> torch.Tensor:
+        """The copies' gradients of the whole step, summed: the owner adds them in its last backward."""
+        weight = self.model.embed.weight
+        parts = [torch.empty(weight.shape, dtype=torch.float32, device=weight.device) for _ in self.holders[1:]]
+        self._exchange([], list(zip(parts, self.holders[1:], strict=True)))
+        return torch.stack(parts).sum(0)
+
+    def sync_embedding(self) -> None:
+        """Send the owner's table to the copies (at start, after a load and after every optimizer step)."""
+        if not self.part.embedding or len(self.holders) == 1:
+            return
+        weight = self.model.embed.weight
+        if self.part.embedding == OWN:
+            self._exchange([(weight.detach(), r) for r in self.holders[1:]], [])
+        else:
+            # In the parameters' dtype: DeepSpeed casts parameters for fp16 and bf16, not buffers.
+            fresh = torch.empty(weight.shape, dtype=self.dtype, device=weight.device)
+            self._exchange([], [(fresh, self.owner)])
+            self.model.embed.weight = fresh
+
+
+def _tagged(transfers: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int, int]]:
+    """(tensor, peer, k): k counts the tensors for the same peer before this one."""
+    seen: dict[int, int] = {}
+    out = []
+    for tensor, peer in transfers:
+        out.append((tensor, peer, seen.get(peer, 0)))
+        seen[peer] = seen.get(peer, 0) + 1
+    return out

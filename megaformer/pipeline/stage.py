@@ -1,0 +1,116 @@
+"""One pipeline stage's forward: what it receives, computes and sends for one micro-batch.
+
+A stage is a :class:`megaformer.model.Transformer` built with a :class:`StagePart`:
+the same parameter names as the whole model, only its own layers. Every stage reads
+the micro-batch itself (the ids are the replica's data stream, equal on its stages),
+so the source mask and every tensor shape are known locally: no shapes travel and
+nothing is padded beyond what the batch already is. Between stages travel, in this
+order and only where the next stage needs them, the encoder's hidden states, the
+encoder output (``memory``: every decoder stage attends to it, so it is passed along
+the decoder stages and its gradient summed back along them) and the decoder's hidden
+states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megaformer.model import Transformer
+from megaformer.model.transformer import pad_to_multiple
+from megaformer.parallel import vocab_parallel_cross_entropy
+from megaformer.pipeline.split import StagePart
+
+
+@dataclass
+class StageBatch:
+    """A micro-batch's ids as a stage uses them (lengths padded for sequence parallelism)."""
+
+    src: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+
+    @classmethod
+    def of(cls, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, model: Transformer) -> StageBatch:
+        if model.sequence_parallel:  # every TP rank holds an equal part of each sequence
+            src, tgt_in, tgt_out = (pad_to_multiple(t, model.tp.size, model.pad_id) for t in (src, tgt_in, tgt_out))
+        return cls(src, tgt_in, tgt_out)
+
+
+def input_shapes(part: StagePart, batch: StageBatch, model: Transformer) -> list[tuple[int, ...]]:
+    """Shapes of the tensors ``part`` receives for ``batch``, in message order (this TP rank's part)."""
+    split = model.tp.size if model.sequence_parallel else 1
+    d = model.cfg.d_model
+    source = (batch.src.shape[0], batch.src.shape[1] // split, d)
+    target = (batch.tgt_in.shape[0], batch.tgt_in.shape[1] // split, d)
+    shapes = []
+    if part.receives_encoder:
+        shapes.append(source)
+    if part.receives_memory:
+        shapes.append(source)
+    if part.receives_decoder:
+        shapes.append(target)
+    return shapes
+
+
+def stage_forward(
+    model: Transformer, inputs: list[torch.Tensor], batch: StageBatch, next_part: StagePart | None, smoothing: float
+) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
+    """This stage's layers on one micro-batch.
+
+    Returns the tensors for ``next_part`` (in message order), or on the last stage the
+    summed label-smoothed loss and the target token count (0-dim, on the device).
+    """
+    part: StagePart = model.part
+    received = iter(inputs)
+    mask = model.source_mask(batch.src)
+    x = memory = y = None
+    if part.encoder:
+        x = model.embed_tokens(batch.src) if part.embeds_source else next(received)
+        for layer in model.encoder.children():
+            x = model._layer(layer, x, mask)
+        if part.ends_encoder:
+            memory = model.encoder_norm(x)
+    if part.receives_memory:
+        memory = next(received)
+    if part.decoder:
+        y = model.embed_tokens(batch.tgt_in) if part.embeds_target else next(received)
+        for layer in model.decoder.children():
+            y = model._layer(layer, y, memory, mask)
+    if next_part is None:
+        logits = model.logits(model.decoder_norm(y))
+        per_token = vocab_parallel_cross_entropy(
+            logits.flatten(0, 1), batch.tgt_out.flatten(), model.tp, model.vocab_size, smoothing, model.pad_id
+        )
+        return per_token.sum(), batch.tgt_out.ne(model.pad_id).sum()
+    out = []
+    if next_part.receives_encoder:
+        out.append(x)
+    if next_part.receives_memory:
+        out.append(memory)
+    if next_part.receives_decoder:
+        out.append(y)
+    return out
+
+
+def mask_draws(model: Transformer) -> dict[str, int]:
+    """Dropout masks this stage draws from each stream per training micro-batch.
+
+    Each layer counts its own dropout calls (:meth:`EncoderLayer.mask_draws`); the
+    embedding dropout runs once per embedding the stage performs (source and target
+    share the module). The pipeline adds up the stages before this one to
+    know where in a micro-batch's masks this stage starts.
+    """
+    part: StagePart = model.part
+    counts = {"shared": 0, "local": 0}
+
+    def add(draws: dict[str, int], times: int = 1) -> None:
+        for k, v in draws.items():
+            counts[k] += v * times
+
+    add(model.embed_dropout.mask_draws(), int(part.embeds_source) + int(part.embeds_target))
+    for stack in (model.encoder, model.decoder):
+        for layer in stack.children():
+            add(layer.mask_draws())
+    return counts
