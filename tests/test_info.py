@@ -118,3 +118,89 @@ def test_info_prints_the_layout_table():
     assert proc.returncode == 0, proc.stderr
     assert "layouts for 32 GPUs" in proc.stdout and "<- fastest" in proc.stdout
     assert "micro-batches of <=" in proc.stdout
+
+
+def _pipeline(preset: str, *sets: str) -> tuple[dict, dict]:
+    from megaformer.info import pipeline_info, step_info
+
+    cfg = load_config(ROOT / "configs" / f"{preset}.yaml", ["data.vocab_size=37000", *sets])
+    m = step_info(cfg, max(1, cfg.parallel.dp))["micro_batches_per_step"]
+    return model_info(cfg), pipeline_info(cfg, m)
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (3, 1), (4, 2), (12, 1)])
+def test_stage_parameters_sum_to_the_model(pp, tp):
+    """Every parameter on exactly one stage; the embedding's copies are buffers, counted apart."""
+    whole, pipe = _pipeline("transformer_big", f"parallel.pp={pp}", f"parallel.tp={tp}")
+    stages = pipe["stages"]
+    assert len(stages) == pp
+    assert sum(s["parameters"] for s in stages) == whole["parameters"]
+    table = whole["padded_vocab_size"] * 1024 // tp  # the embedding table as one TP rank holds it
+    assert stages[0]["embedding"] == "own" and stages[0]["embedding_copy"] == 0
+    assert stages[-1]["embedding"] == "copy" and stages[-1]["embedding_copy"] == table
+    copies = sum(s["embedding_copy"] for s in stages)
+    assert copies == table * sum(s["embedding"] == "copy" for s in stages)
+    # Per TP rank, the stages hold the whole model's rank shard, no more (shared LayerNorms and biases included).
+    assert sum(s["parameters_per_rank"] for s in stages) == whole["parameters_per_rank"]
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 6), (1, 3)])
+def test_bubble_is_the_1f1b_formula(p, m):
+    from megaformer.pipeline.split import bubble_fraction
+
+    assert bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_pipeline_bubble_and_in_flight_micro_batches():
+    # 25000 tokens in micro-batches of 4096 at dp=1: 6 micro-batches per step.
+    _, pipe = _pipeline("transformer_big", "parallel.pp=4", "parallel.tp=1")
+    assert pipe["micro_batches_per_step"] == 6
+    assert pipe["bubble_fraction"] == pytest.approx(3 / 9)
+    assert [s["micro_batches_in_flight"] for s in pipe["stages"]] == [4, 3, 2, 1]
+    # Fewer micro-batches than stages: no stage holds more than there are.
+    _, few = _pipeline("tiny", "parallel.pp=4")
+    assert few["micro_batches_per_step"] == 2
+    assert [s["micro_batches_in_flight"] for s in few["stages"]] == [2, 2, 2, 1]
+    for s in pipe["stages"]:
+        mem = s["memory_per_rank_bytes"]
+        assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"), abs=4)
+
+
+def test_uneven_split_shows_in_the_stages():
+    whole, pipe = _pipeline("transformer_base", "parallel.pp=2", "parallel.pp_split=3,9")
+    first, second = pipe["stages"]
+    assert pipe["pp_split"] == "3,9"
+    assert first["layers"] == "encoder 0-2" and second["layers"] == "encoder 3-5 + decoder 0-5"
+    # The second stage starts the decoder and ends the model: one copy of the table serves both.
+    assert second["embedding"] == "copy" and second["embedding_copy"] == whole["padded_vocab_size"] * 512
+    assert first["parameters"] + second["parameters"] == whole["parameters"]
+    assert second["memory_per_rank_bytes"]["activations"] > first["memory_per_rank_bytes"]["activations"] * 1.5
+
+
+def test_info_prints_the_pipeline_stages():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "info", "--config", "configs/transformer_big.yaml",
+         "--set", "parallel.pp=2", "--set", "parallel.pp_split=5,7", "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["layout"]["pp"] == 2
+    assert [s["layers"] for s in info["pipeline"]["stages"]] == ["encoder 0-4", "encoder 5 + decoder 0-5"]
+    text = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "info", "--config", "configs/transformer_big.yaml",
+         "--set", "parallel.pp=2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    ).stdout  # fmt: skip
+    assert "bubble (p - 1) / (m + p - 1)" in text and "stage 1" in text and "embedding copy" in text
+    assert "in flight on stage i" in text
+
+
+def test_info_rejects_more_stages_than_layers():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "info", "--config", "configs/tiny.yaml", "--set", "parallel.pp=5"],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "parallel.pp=5" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
