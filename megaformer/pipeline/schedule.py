@@ -102,14 +102,21 @@ class Pipeline:
         between the same ranks in either order, and the encoder output and the decoder
         states have equal shapes whenever source and target are equally long.
         """
-        ops = [dist.P2POp(dist.isend, t.contiguous(), peer, tag=k) for t, peer, k in _tagged(sends)]
-        ops += [dist.P2POp(dist.irecv, t, peer, tag=k) for t, peer, k in _tagged(recvs)]
+        # gloo sends and receives host memory only: GPU tensors (parallel.device=cuda) are staged through it.
+        host = self.ctx.backend == "gloo" and self.ctx.device.type != "cpu"
+        wire = [(t.detach().to("cpu") if host else t.contiguous(), peer) for t, peer in sends]
+        landing = [(torch.empty(t.shape, dtype=t.dtype) if host else t, peer) for t, peer in recvs]
+        ops = [dist.P2POp(dist.isend, t, peer, tag=k) for t, peer, k in _tagged(wire)]
+        ops += [dist.P2POp(dist.irecv, t, peer, tag=k) for t, peer, k in _tagged(landing)]
         if not ops:
             return
         began = time.perf_counter()
         for request in dist.batch_isend_irecv(ops):
             request.wait()
         self.wait_seconds += time.perf_counter() - began
+        if host:
+            for (t, _), (h, _) in zip(recvs, landing, strict=True):
+                t.copy_(h)
 
     def _empty(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         return [torch.empty(s, dtype=self.dtype, device=self.ctx.device) for s in shapes]
