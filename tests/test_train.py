@@ -412,3 +412,19 @@ def test_mixed_precision_needs_zero(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "train.zero_stage=1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bf16_accumulation_counts_each_micro_batch_once(corpus, tmp_path):
+    """bf16 ZeRO-1 over 4 micro-batches: the gradient norm is fp32's (each micro-batch counted once)."""
+    norms = {}
+    for precision in ("fp32", "bf16"):
+        run = tmp_path / precision
+        extra = [
+            f"train.precision={precision}",
+            "train.zero_stage=1",
+            "train.tokens_per_step=2048",
+            "train.max_steps=1",
+        ]
+        ok(train(run, 1, common(corpus) + extra))
+        norms[precision] = losses(run)[1]["grad_norm"]
+    assert abs(norms["bf16"] - norms["fp32"]) <= 0.02 * norms["fp32"], norms

@@ -184,7 +184,8 @@ class ParallelContext:
         dist.all_gather_object(hosts, socket.gethostname())
         check_tp_within_nodes(layout, hosts)
         if rank == 0 and len(set(hosts)) > 1:
-            print(f"parallel: tp={layout.tp} dp={layout.dp} pp={layout.pp}; {describe_nodes(hosts)}", flush=True)
+            stages = f" pp={layout.pp}" if layout.pp > 1 else ""
+            print(f"parallel: tp={layout.tp} dp={layout.dp}{stages}; {describe_nodes(hosts)}", flush=True)
         # new_group must be called by every rank for every group, in the same order.
         created: list[dist.ProcessGroup] = []
         mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "dp": None, "pp": None, "model": None}

@@ -203,6 +203,13 @@ class Engine:
         """
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DEEPSPEED_NOISE, category=FutureWarning)
+            # DeepSpeed runs its optimizer's backward prologue from hooks that its own forward puts on the
+            # outputs; the model is called directly here, so it is run here. For the bf16 optimizer it clears
+            # the bf16 gradients of the previous micro-batch, which are already in its fp32 sums: without it
+            # micro-batch k was counted (accumulation - k) times.
+            prologue = getattr(self.ds.optimizer, "backward_prologue", None)
+            if _zero(self) and callable(prologue):
+                prologue()
             self.ds.backward(loss, scale_wrt_gas=scale_wrt_gas)
 
     def set_boundary(self, last: bool) -> None:
