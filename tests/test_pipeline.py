@@ -38,8 +38,13 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def sets(corpus: Path, *extra: str) -> list[str]:
-    """Four micro-batches per step (2048 tokens in micro-batches of <= 512), 30 steps, checkpoints every 10."""
-    return common(corpus) + ["train.tokens_per_step=2048", "train.max_steps=30", *extra]
+    """Four micro-batches per step (2048 tokens in micro-batches of <= 512), 30 steps, checkpoints every 10.
+
+    With tiny's own learning-rate schedule (test_train's runs warm up 4x faster, to show a
+    falling loss in 30 steps): see :func:`same_curve` for why the schedule matters here.
+    """
+    schedule = ["train.lr_scale=0.5", "train.warmup_steps=200"]
+    return common(corpus) + ["train.tokens_per_step=2048", "train.max_steps=30", *schedule, *extra]
 
 
 # ---- the cut ---------------------------------------------------------------------------------------
@@ -125,7 +130,17 @@ def test_mask_draws_count_what_a_forward_draws():
 )
 def test_parity_command(layout):
     proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "parity", "--config", str(TINY), *layout],
+        [
+            sys.executable,
+            "-m",
+            "megaformer.cli",
+            "parity",
+            "--config",
+            str(TINY),
+            *layout,
+            "--set",
+            "parallel.backend=gloo",
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -153,24 +168,27 @@ def pp2_run(corpus, tmp_path_factory) -> Path:
     return run
 
 
-def same_curve(a: Path, b: Path, steps: range, tolerance: float = 1e-5, later: float = 1e-4) -> None:
-    """Losses within ``tolerance`` for the first 10 steps, ``later`` after them.
+def same_curve(a: Path, b: Path, steps: range, tolerance: float = 1e-5) -> None:
+    """Every loss of ``steps`` within ``tolerance`` (relative).
 
-    Every parameter but the shared embedding gets bitwise the gradient of the unsplit
-    model; the embedding's adds its three uses in another order (the copies' step sums
-    are added last), and Adam (eps 1e-9) turns those last-bit differences of elements
-    with near-zero gradients into a drift that grows with the learning rate's warm-up.
+    Every parameter but the shared embedding gets bitwise the unsplit model's gradient
+    (checked once by hand: after step 1 all other tensors were equal). The embedding's
+    three uses are added in another order (the copies' step sums last), and Adam (eps
+    1e-9) turns those last-bit differences of near-zero gradient elements into a drift
+    that grows with the learning rate: 1.5e-6 over these 30 steps, 5e-5 with test_train's
+    4x faster warm-up.
     """
     one, two = losses(a), losses(b)
     for step in steps:
-        bound = tolerance if step <= 10 else later
-        assert abs(one[step]["loss"] - two[step]["loss"]) <= bound * abs(two[step]["loss"]), step
+        assert abs(one[step]["loss"] - two[step]["loss"]) <= tolerance * abs(two[step]["loss"]), step
 
 
 def test_pp2_loss_curve_equals_pp1(pp1_run, pp2_run):
     """30 steps of 4 micro-batches, fp32, dropout on: the pipeline trains the same run."""
     same_curve(pp2_run, pp1_run, range(1, 31))
-    assert losses(pp2_run)[30]["pipeline_wait"] > 0
+    curve = losses(pp2_run)
+    assert curve[30]["loss"] < curve[1]["loss"] - 0.5  # a run that learns, not a flat line
+    assert curve[30]["pipeline_wait"] > 0
 
 
 def test_pp2_tp2_loss_curve_equals_pp1(corpus, pp1_run, tmp_path):

@@ -87,6 +87,26 @@ def pick_device(backend: str, local_rank: int, kind: str = "auto") -> torch.devi
     return torch.device("cuda", local_rank % count)
 
 
+def _create_groups(
+    layout: ParallelLayout, rank: int
+) -> tuple[list[dist.ProcessGroup], dict[str, dist.ProcessGroup | None]]:
+    """Every TP, DP (and with pp > 1, pipeline and model) group, and this rank's of each kind.
+
+    ``new_group`` must be called by every rank for every group, in the same order.
+    """
+    created: list[dist.ProcessGroup] = []
+    mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "dp": None, "pp": None, "model": None}
+    kinds = [("tp", layout.tp_groups()), ("dp", layout.dp_groups())]
+    if layout.pp > 1:
+        kinds += [("pp", layout.pp_groups()), ("model", layout.model_groups())]
+    for kind, all_ranks in kinds:
+        for ranks in all_ranks:
+            created.append(dist.new_group(ranks))
+            if rank in ranks:
+                mine[kind] = created[-1]
+    return created, mine
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """This rank's place in the DP x TP grid and the groups it belongs to.
@@ -186,17 +206,7 @@ class ParallelContext:
         if rank == 0 and len(set(hosts)) > 1:
             stages = f" pp={layout.pp}" if layout.pp > 1 else ""
             print(f"parallel: tp={layout.tp} dp={layout.dp}{stages}; {describe_nodes(hosts)}", flush=True)
-        # new_group must be called by every rank for every group, in the same order.
-        created: list[dist.ProcessGroup] = []
-        mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "dp": None, "pp": None, "model": None}
-        kinds = [("tp", layout.tp_groups()), ("dp", layout.dp_groups())]
-        if layout.pp > 1:
-            kinds += [("pp", layout.pp_groups()), ("model", layout.model_groups())]
-        for kind, all_ranks in kinds:
-            for ranks in all_ranks:
-                created.append(dist.new_group(ranks))
-                if rank in ranks:
-                    mine[kind] = created[-1]
+        created, mine = _create_groups(layout, rank)
         tp = TPGroup(group=mine["tp"], size=layout.tp, rank=rank % layout.tp) if layout.tp > 1 else LOCAL
         return cls(
             layout,

@@ -139,79 +139,27 @@ class Pipeline:
         (its gradient is already scaled); ``loss_scale`` is the fp16 loss scale the
         engine multiplies every backward scalar by.
         """
-        m, stages, s = len(micro), self.ctx.pp_size, self.part.index
-        warmup = min(stages - s - 1, m)
-        pending: deque = deque()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        self._embed_grad = None
-        done = 0
-
-        def forward(i: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            nonlocal loss_sum
-            for t in inputs:
-                t.requires_grad_(True)
-            self._copy_needs_grad()
-            with self.model.rng.fork(micro[i].dropout):
-                out = stage_forward(self.model, inputs, micro[i].batch, self.next_part, smoothing)
-            if self.next_part is None:
-                loss, _ = out
-                loss_sum = loss_sum + loss.detach().float()
-                pending.append((inputs, [loss * scale]))
-                return []
-            pending.append((inputs, out))
-            return out
-
-        def run_backward(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-            nonlocal done
-            inputs, outputs = pending.popleft()
-            done += 1
-            if self.next_part is None:
-                backward(outputs[0], True)
-            else:
-                # d/d(o) of sum(o * g) is g: the received gradient enters autograd (and every DeepSpeed
-                # hook) unchanged; the engine multiplies by the loss scale, so it is divided out first.
-                pairs = list(zip(outputs, grads, strict=True))
-                if done == m and self.part.embedding == OWN:
-                    pairs.append((self.model.embed.weight, self._copies_grad()))
-                backward(sum((o.float() * (g.float() / loss_scale)).sum() for o, g in pairs), False)
-            self._gather_copy_grad()
-            return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
-
-        def shapes_in(i: int) -> list[tuple[int, ...]]:
-            return input_shapes(self.part, micro[i].batch, self.model)
-
-        def recv_forward(i: int) -> list[torch.Tensor]:
-            tensors = self._empty(shapes_in(i)) if self.prev_rank is not None else []
-            self._exchange([], [(t, self.prev_rank) for t in tensors])
-            return tensors
-
-        def out_grads(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [torch.empty_like(o) for o in outputs]
-
+        step = _Step(self, micro, scale, smoothing, backward, loss_scale)
+        m = len(micro)
+        warmup = min(self.ctx.pp_size - self.part.index - 1, m)
         for i in range(warmup):
-            out = forward(i, recv_forward(i))
+            out = step.forward(i, step.receive_inputs(i))
             self._exchange([(o.detach(), self.next_rank) for o in out], [])
-        inputs = recv_forward(warmup) if warmup < m else []
-        for i in range(warmup, m):
-            out = forward(i, inputs)
-            grads = out_grads(pending[0][1]) if self.next_rank is not None else []
+        inputs = step.receive_inputs(warmup) if warmup < m else []
+        for i in range(warmup, m):  # steady state: one forward, one backward
+            out = step.forward(i, inputs)
+            grads = step.grad_buffers()
             self._exchange([(o.detach(), self.next_rank) for o in out], [(g, self.next_rank) for g in grads])
-            in_grads = run_backward(grads)
-            sends = [(g, self.prev_rank) for g in in_grads] if self.prev_rank is not None else []
-            if i + 1 < m:
-                inputs = self._empty(shapes_in(i + 1)) if self.prev_rank is not None else []
-                self._exchange(sends, [(t, self.prev_rank) for t in inputs])
-            else:
-                self._exchange(sends, [])
-        while pending:
-            grads = out_grads(pending[0][1])
+            sends = step.backward(grads)
+            inputs = step.input_buffers(i + 1) if i + 1 < m else []
+            self._exchange(sends, [(t, self.prev_rank) for t in inputs])
+        while step.pending:  # cool-down: the remaining backwards
+            grads = step.grad_buffers()
             self._exchange([], [(g, self.next_rank) for g in grads])
-            in_grads = run_backward(grads)
-            if self.prev_rank is not None:
-                self._exchange([(g, self.prev_rank) for g in in_grads], [])
+            self._exchange(step.backward(grads), [])
         if self.part.embedding not in (None, OWN):
             self._exchange([(self._embed_grad, self.owner)], [])
-        return loss_sum
+        return step.loss_sum
 
     # ---- forward only ----------------------------------------------------------------------------
 
@@ -271,3 +219,73 @@ def _tagged(transfers: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tenso
         out.append((tensor, peer, seen.get(peer, 0)))
         seen[peer] = seen.get(peer, 0) + 1
     return out
+
+
+class _Step:
+    """One optimizer step's bookkeeping on a stage: micro-batches in flight, the loss, backwards done."""
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        micro: Sequence[PipeMicroBatch],
+        scale: float,
+        smoothing: float,
+        backward: Backward,
+        loss_scale: float,
+    ) -> None:
+        self.pipe, self.micro, self.scale, self.smoothing = pipe, micro, scale, smoothing
+        self.run_backward, self.loss_scale = backward, loss_scale
+        self.pending: deque = deque()  # (inputs, outputs) of forwards whose backward is to come
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=pipe.ctx.device)
+        self.done = 0
+        pipe._embed_grad = None
+
+    def input_buffers(self, i: int) -> list[torch.Tensor]:
+        """Empty tensors for what micro-batch ``i``'s input message holds (none on the first stage)."""
+        pipe = self.pipe
+        if pipe.prev_rank is None:
+            return []
+        return pipe._empty(input_shapes(pipe.part, self.micro[i].batch, pipe.model))
+
+    def receive_inputs(self, i: int) -> list[torch.Tensor]:
+        tensors = self.input_buffers(i)
+        self.pipe._exchange([], [(t, self.pipe.prev_rank) for t in tensors])
+        return tensors
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """Empty tensors for the gradients of the oldest pending forward's outputs (none on the last stage)."""
+        return [torch.empty_like(o) for o in self.pending[0][1]] if self.pipe.next_rank is not None else []
+
+    def forward(self, i: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        pipe = self.pipe
+        for t in inputs:
+            t.requires_grad_(True)
+        pipe._copy_needs_grad()
+        with pipe.model.rng.fork(self.micro[i].dropout):
+            out = stage_forward(pipe.model, inputs, self.micro[i].batch, pipe.next_part, self.smoothing)
+        if pipe.next_part is None:
+            loss, _ = out
+            self.loss_sum = self.loss_sum + loss.detach().float()
+            self.pending.append((inputs, [loss * self.scale]))
+            return []
+        self.pending.append((inputs, out))
+        return out
+
+    def backward(self, grads: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+        """The oldest pending micro-batch's backward; returns its input gradients, addressed to the stage before."""
+        pipe = self.pipe
+        inputs, outputs = self.pending.popleft()
+        self.done += 1
+        if pipe.next_part is None:
+            self.run_backward(outputs[0], True)
+        else:
+            # d/d(o) of sum(o * g) is g: the received gradient enters autograd (and every DeepSpeed
+            # hook) unchanged; the engine multiplies by the loss scale, so it is divided out first.
+            pairs = list(zip(outputs, grads, strict=True))
+            if self.done == len(self.micro) and pipe.part.embedding == OWN:
+                pairs.append((pipe.model.embed.weight, pipe._copies_grad()))
+            self.run_backward(sum((o.float() * (g.float() / self.loss_scale)).sum() for o, g in pairs), False)
+        pipe._gather_copy_grad()
+        if pipe.prev_rank is None:
+            return []
+        return [(t.grad if t.grad is not None else torch.zeros_like(t), pipe.prev_rank) for t in inputs]

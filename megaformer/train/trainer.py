@@ -230,10 +230,13 @@ class Trainer:
         if loaded.rank is not None:
             torch.set_rng_state(loaded.rank["torch_rng"])
         old, new = loaded.meta["layout"], self.ctx.layout
-        before = (old["tp"], old["dp"], old.get("pp", 1))
-        moved = before != (new.tp, new.dp, new.pp)
-        change = f", layout tp={before[0]} dp={before[1]} pp={before[2]} -> tp={new.tp} dp={new.dp} pp={new.pp}"
-        change = change if moved else ""
+        before, after = (old["tp"], old["dp"], old.get("pp", 1)), (new.tp, new.dp, new.pp)
+        names = ("tp", "dp", "pp") if max(before[2], after[2]) > 1 else ("tp", "dp")
+
+        def say(sizes: tuple[int, ...]) -> str:
+            return " ".join(f"{n}={v}" for n, v in zip(names, sizes, strict=False))
+
+        change = f", layout {say(before)} -> {say(after)}" if before != after else ""
         self.log(f"train: resumed from {step_dir} (step {loaded.meta['step']}, {self.tokens:,} target tokens{change})")
 
     def _stage_counts(self) -> list[int] | None:
