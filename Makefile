@@ -7,9 +7,14 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 # Install the local CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-# make multi30k DATA=../shared/data/multi30k: prepare, train <= 60 min, average, evaluate en->de.
+# make multi30k DATA=../shared/data/multi30k [MINUTES=15]: prepare, train <= MINUTES (default 60) min,
+# average, evaluate en->de. A run of other than 60 minutes has its own run dir, averaged model and
+# hypotheses (runs/multi30k/run-15m, averaged-15m.pt, test-15m.hyp), so it never resumes the 60-minute one.
 DATA ?= ../shared/data/multi30k
+MINUTES ?= 60
 M30K := runs/multi30k
+M30K_TAG := $(if $(filter 60,$(MINUTES)),,-$(MINUTES)m)
+M30K_RUN := $(M30K)/run$(M30K_TAG)
 # bf16 where the CPU computes it natively (AVX512-BF16 / AMX), fp32 elsewhere.
 M30K_PRECISION ?= $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo fp32)
 
@@ -41,10 +46,10 @@ multi30k: install
 		--test $(DATA)/test_2016_flickr --vocab-size 8000 --out $(M30K)/data --force
 	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data \
 		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) \
-		--run-dir $(M30K)/run --nproc 2 --resume auto
-	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K)/run --out $(M30K)/averaged.pt
-	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged.pt --input $(M30K)/data/test.en \
-		--ref $(M30K)/data/test.de --output $(M30K)/test.hyp
+		--set train.max_minutes=$(MINUTES) --run-dir $(M30K_RUN) --nproc 2 --resume auto
+	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt
+	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged$(M30K_TAG).pt --input $(M30K)/data/test.en \
+		--ref $(M30K)/data/test.de --output $(M30K)/test$(M30K_TAG).hyp
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

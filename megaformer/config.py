@@ -83,6 +83,9 @@ class TrainConfig:
     seed: int = 1
     log_interval: int = 100
     eval_interval: int = 1000
+    # Greedy BLEU on the first this many validation sentences at every evaluation; the checkpoint
+    # with the best BLEU is kept (RUN/checkpoints/best). 0 = off.
+    eval_bleu_sentences: int = 200
     save_interval: int = 1000  # steps; 0 = only on signals and at the end
     save_minutes: float = 0.0  # also save every this many minutes; 0 = off
     keep_last: int = 5
@@ -262,6 +265,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("train", "seed"): (0, 2**32 - 1, False, False),
     ("train", "log_interval"): (1, _INF, False, False),
     ("train", "eval_interval"): (0, _INF, False, False),  # 0 = no evaluation
+    ("train", "eval_bleu_sentences"): (0, _INF, False, False),  # 0 = no BLEU during training
     ("train", "save_interval"): (0, _INF, False, False),  # 0 = only on signals and at the end
     ("train", "save_minutes"): (0.0, _INF, False, False),
     ("train", "keep_last"): (0, _INF, False, False),  # 0 = keep every checkpoint

@@ -14,6 +14,7 @@ directory per optimizer step::
                               rank: engine counters, trainer), ``replicas`` (every rank's data-feed
                               state) and every file with its size and sha256
     RUN/checkpoints/latest    the newest complete step, replaced atomically
+    RUN/checkpoints/best      the step with the best validation BLEU so far (pruning never deletes it)
 
 Files are written into a hidden ``.step-*.tmp`` directory that becomes ``step-*`` only
 after every rank has finished and ``meta.json`` is complete, so a job killed mid-save
@@ -60,6 +61,7 @@ CHECKPOINT_FORMAT = "megaformer-checkpoint-v2"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 META_KEYS = ("format", "step", "layout", "rank_layout", "config", "vocab_size", "run", "replicas", "files")
 TENSOR_KEYS = ("param", "exp_avg", "exp_avg_sq")
+POINTERS = ("latest", "best")  # files in a checkpoints folder that name one of its step directories
 
 Log = Callable[[str], None]
 
@@ -153,9 +155,28 @@ def find_latest(path: str | Path, log: Log) -> Path | None:
     return None
 
 
+def read_pointer(path: Path) -> str | None:
+    """The step directory name held by a ``latest`` or ``best`` file, or None if there is none."""
+    try:
+        name = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if STEP_DIR.match(name) else None
+
+
+def write_best(root: Path, step_dir: Path) -> None:
+    """Record ``step_dir`` (a step directory under ``root``) as the best checkpoint, atomically."""
+    atomic_write_text(root / "best", step_dir.name + "\n")
+
+
 def resolve_checkpoint(path: str | Path, log: Log) -> Path:
-    """A verified step directory from a step directory, a checkpoints folder or a run directory."""
+    """A verified step directory from a step directory, a ``best``/``latest`` file, a checkpoints folder or a run."""
     path = Path(path)
+    if path.is_file() and path.name in POINTERS:
+        name = read_pointer(path)
+        if name is None:
+            raise CheckpointError(f"{path}: does not name a step directory")
+        path = path.parent / name
     if STEP_DIR.match(path.name):
         check_complete(path, verify=True)
         return path
@@ -206,17 +227,24 @@ def _shape_info(meta: dict) -> dict[str, tuple[int | None, int]]:
 
 
 def prune(root: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` step directories and any leftover temporaries."""
+    """Delete all but the newest ``keep_last`` step directories and any leftover temporaries.
+
+    The step named in ``root/best`` is kept whatever its age.
+    """
     for stale in root.glob(".step-*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     if keep_last > 0:
+        best = read_pointer(root / "best")
         for old in list_checkpoints(root)[keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != best:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def load_for_inference(path: str | Path, log: Log) -> Consolidated:
-    """A consolidated model from a model file, a step directory or a run directory."""
+    """A consolidated model from a model file, a step directory, a ``best``/``latest`` file or a run directory."""
     path = Path(path)
+    if path.is_file() and path.name in POINTERS:
+        return consolidate(resolve_checkpoint(path, log))
     if path.is_file():
         return load_consolidated(path)
     if not path.exists():
@@ -283,7 +311,8 @@ def save_checkpoint(
     ``state.shard`` is written by the first DP rank of each TP rank, ``state.rank`` by
     every rank; ``state.replica`` of every rank is gathered into ``meta.json``, which
     rank 0 writes last (with every file's sha256) before the directory is renamed into
-    place and ``latest`` replaced. Refuses, on every rank, a model that is not finite.
+    place and ``latest`` replaced (and ``best``, when ``meta["best"]``), then older steps pruned.
+    Refuses, on every rank, a model that is not finite.
     """
     _finite_or_refuse(state.shard, step)
     root.mkdir(parents=True, exist_ok=True)
@@ -309,6 +338,7 @@ def save_checkpoint(
         layout = {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.pp_size, "world": ctx.layout.world_size}
         meta = dict(meta)
         stages = meta.pop("stages", None)
+        best = meta.pop("best", False)  # name this step in root/best (kept by prune)
         if stages is not None:
             layout["stages"] = stages
         full_meta = {
@@ -326,6 +356,8 @@ def save_checkpoint(
             shutil.rmtree(final)
         os.replace(tmp, final)
         atomic_write_text(root / "latest", final.name + "\n")
+        if best:
+            write_best(root, final)
         prune(root, keep_last)
     _barrier(ctx)
     return final

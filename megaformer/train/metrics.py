@@ -118,6 +118,15 @@ class MetricsLogger:
             line += f" | scale {r['loss_scale']:g}"
         print(line, flush=True)
 
+    def console_valid(self, r: dict) -> None:
+        """The validation line: loss, NLL, perplexity, and greedy BLEU (cased, lowercased) when computed."""
+        if not self.enabled:
+            return
+        line = f"valid  {r['step']:>6d} | loss {r['loss']:.4f} | nll {r['nll']:.4f} | ppl {r['ppl']:.2f}"
+        if "bleu" in r:
+            line += f" | bleu {r['bleu']:.2f} | bleu_lc {r['bleu_lc']:.2f}"
+        print(line, flush=True)
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()

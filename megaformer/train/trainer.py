@@ -8,8 +8,15 @@ of the whole step: two micro-batches give exactly the update of one double batch
 ranks with more tokens weigh more, as they should.
 
 The trainer is one of the stateful components (with the engine and the data feed): its
-own state is the tokens and training time so far; :meth:`Trainer.save` hands every
-component's state to :mod:`megaformer.train.checkpoint`, which places and writes them.
+own state is the tokens and training time so far and the best validation BLEU;
+:meth:`Trainer.save` hands every component's state to :mod:`megaformer.train.checkpoint`,
+which places and writes them.
+
+Validation (every ``train.eval_interval`` steps, and at the last step) computes the loss
+over the valid split and greedy BLEU on its first ``train.eval_bleu_sentences`` sentences
+(:mod:`megaformer.train.valid_bleu`). When BLEU beats the best so far, that step is saved
+(reason "best" if the schedule did not save it) and named in ``RUN/checkpoints/best``,
+which pruning keeps, as fairseq's ``--eval-bleu`` keeps ``checkpoint_best.pt``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.shards import manifest_path, read_manifest
 from megaformer.data.stream import Batch, TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
+from megaformer.decode.beam import SearchSettings
 from megaformer.errors import ConfigError, TrainingError
 from megaformer.info import model_info
 from megaformer.model import Transformer
@@ -41,6 +49,7 @@ from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, MicroBatch, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
+from megaformer.train.valid_bleu import BleuSample, bleu_skip_reason, load_bleu_sample, sample_bleu
 
 
 def accumulate(
@@ -167,8 +176,9 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier(group=ctx.world_group)
         self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
-        self.tokens = 0
-        self.train_seconds = 0.0
+        self.tokens, self.train_seconds = 0, 0.0
+        self.best_bleu: float | None = None  # the best validation BLEU so far
+        self.bleu_sample = self._bleu_sample()
         if saved:
             self._load(self.start_dir)
         if self.pipeline is not None:
@@ -193,6 +203,21 @@ class Trainer:
             return found
         return ckpt.resolve_checkpoint(resume, log=self.log)
 
+    def _bleu_sample(self) -> BleuSample | None:
+        """The valid sentences BLEU is computed on during training, or None (said once, with the reason)."""
+        cfg = self.cfg
+        if not cfg.train.eval_interval:
+            return None
+        reason = bleu_skip_reason(
+            cfg.train.eval_bleu_sentences, self.has_valid, self.ctx.pp_size, self.model.sequence_parallel
+        )
+        sample = None
+        if reason is None:
+            sample = load_bleu_sample(cfg.data.path, cfg.train.eval_bleu_sentences, cfg.model.max_positions)
+            reason = None if sample.sources else "the valid split holds no sentences"
+        self.log(f"train: validation BLEU {'off: ' + reason if reason else f'on {len(sample.sources)} sentences'}")
+        return sample if reason is None else None
+
     def _stream(self, index: int, count: int, split: str = "train") -> TokenBatchStream:
         """Training batches are cut to the step plan's size; validation batches to ``data.max_tokens``."""
         training = split == "train"
@@ -210,11 +235,14 @@ class Trainer:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The trainer's own state: target tokens and training seconds so far (the step is the engine's)."""
-        return {"tokens": self.tokens, "train_seconds": self.train_seconds}
+        """The trainer's own state: target tokens, training seconds and the best validation BLEU so far
+        (None before the first; the step is the engine's)."""
+        return {"tokens": self.tokens, "train_seconds": self.train_seconds, "best_bleu": self.best_bleu}
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens, self.train_seconds = int(state["tokens"]), float(state["train_seconds"])
+        best = state.get("best_bleu")  # absent in checkpoints written before BLEU was tracked
+        self.best_bleu = None if best is None else float(best)
 
     def _load(self, step_dir: Path) -> None:
         loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model, self._stage_counts())
@@ -243,7 +271,8 @@ class Trainer:
         """Layers per pipeline stage, as meta.json keeps them (None without a pipeline)."""
         return [len(p.encoder) + len(p.decoder) for p in self.stages] if self.ctx.pp_size > 1 else None
 
-    def save(self, reason: str) -> Path:
+    def save(self, reason: str, best: bool = False) -> Path:
+        """Save a checkpoint of this step; ``best``: also name it in ``checkpoints/best``."""
         engine = self.engine.state_dict()
         path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints",
@@ -262,6 +291,7 @@ class Trainer:
                 "config": to_dict(self.cfg),
                 "reason": reason,
                 "time": time.time(),
+                "best": best,
             },
             keep_last=self.cfg.train.keep_last,
             tokenizer=self.tokenizer,
@@ -334,10 +364,14 @@ class Trainer:
             sums[0] += smoothed.item()
             sums[1] += nll.item()
             sums[2] += b.tgt_tokens
-        self.model.train()
         loss, nll, tokens = (v / self.ctx.layout.tp for v in self._world_sum(sums))
         ppl = math.exp(min(nll / tokens, 50.0))
-        return {"loss": loss / tokens, "nll": nll / tokens, "ppl": ppl, "tokens": int(tokens)}
+        result = {"loss": loss / tokens, "nll": nll / tokens, "ppl": ppl, "tokens": int(tokens)}
+        if self.bleu_sample is not None:
+            settings = SearchSettings.from_config(self.cfg.decode, beam=1)
+            result |= sample_bleu(self.model, self.bleu_sample, settings, self.cfg.decode.max_tokens, self.ctx)
+        self.model.train()
+        return result
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -349,6 +383,7 @@ class Trainer:
         watch = SignalWatch()
         start_step = self.engine.global_steps
         self._last_save = time.monotonic()
+        self._validated = -1  # the last step validated
         window = _Window()
         try:
             while self.engine.global_steps < t.max_steps:
@@ -374,8 +409,10 @@ class Trainer:
                 if up:
                     self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")
                     break
-            if t.eval_interval and self.engine.global_steps % t.eval_interval:  # not validated at this step yet
-                self._validate(logger, self.engine.global_steps)
+            step = self.engine.global_steps
+            # Only a run resumed at its last step gets here unvalidated (its last save was on a signal).
+            if t.eval_interval and step % t.eval_interval and self._validated != step and self._validate(logger, step):
+                self.save("best", best=True)
         finally:
             watch.restore()
             logger.close()
@@ -387,13 +424,14 @@ class Trainer:
         if step % t.log_interval == 0 or step == t.max_steps:
             self._log(logger, window)
             window.reset()
-        if t.eval_interval and step % t.eval_interval == 0:
-            self._validate(logger, step)
+        last = signal == NONE and (time_up or step == t.max_steps)  # validated before the last save
+        best = bool(t.eval_interval) and (step % t.eval_interval == 0 or last) and self._validate(logger, step)
         minutes_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
         scheduled = t.save_interval and step % t.save_interval == 0
-        if signal != NONE or time_up or step == t.max_steps or minutes_due or scheduled:
+        due = signal != NONE or time_up or step == t.max_steps or minutes_due or scheduled
+        if due or best:
             reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, "time limit" if time_up else "schedule")
-            self.save(reason)
+            self.save(reason if due else "best", best=best)
             self._last_save = time.monotonic()
 
     def _log(self, logger: MetricsLogger, window: _Window) -> None:
@@ -419,12 +457,18 @@ class Trainer:
         logger.log(record)
         logger.console(record)
 
-    def _validate(self, logger: MetricsLogger, step: int) -> None:
+    def _validate(self, logger: MetricsLogger, step: int) -> bool:
+        """Validate, log; True when BLEU beats the best so far (it becomes the best; every rank agrees)."""
+        self._validated = step
         result = self.validate()
         if result is None:
-            return
+            return False
         logger.log({"step": step, **result}, prefix="valid")
-        self.log(f"valid  {step:>6d} | loss {result['loss']:.4f} | nll {result['nll']:.4f} | ppl {result['ppl']:.2f}")
+        logger.console_valid({"step": step, **result})
+        improved = "bleu" in result and (self.best_bleu is None or result["bleu"] > self.best_bleu)
+        if improved:
+            self.best_bleu = result["bleu"]
+        return improved
 
 
 class _Window:
