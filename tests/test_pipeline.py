@@ -197,6 +197,16 @@ def test_pp2_tp2_loss_curve_equals_pp1(corpus, pp1_run, tmp_path):
     same_curve(run, pp1_run, range(1, 31))
 
 
+def test_zero1_over_each_stage_and_global_clipping(corpus, tmp_path):
+    """pp=2 x dp=2 with ZeRO-1 and gradient clipping follows pp=1 x dp=2: the clipping norm spans both stages."""
+    extra = ("train.zero_stage=1", "train.clip_grad=0.5", "train.max_steps=10", "train.save_interval=0")
+    one, two = tmp_path / "pp1", tmp_path / "pp2"
+    ok(train(one, 2, sets(corpus, *extra)))
+    ok(train(two, 4, sets(corpus, "parallel.pp=2", *extra)))
+    same_curve(two, one, range(1, 11))
+    assert all(r["grad_norm"] > 0.5 for r in losses(one).values())  # clipping was active on every step
+
+
 def test_activation_checkpointing_in_a_pipeline(corpus, pp1_run, tmp_path):
     run = tmp_path / "run"
     extra = ("parallel.pp=2", "model.activation_checkpointing=true", "train.max_steps=10", "train.save_interval=0")
@@ -217,14 +227,15 @@ def test_kill_and_resume_a_pipeline_is_exact(corpus, pp2_run, tmp_path):
         assert resumed[step]["loss"] == reference[step]["loss"], step
 
 
-@pytest.mark.parametrize("pp", [1, 4])
-def test_resume_a_pipeline_at_another_pp(corpus, pp2_run, tmp_path, pp):
+@pytest.mark.parametrize("pp, tp", [(1, 1), (4, 1), (1, 2)])
+def test_resume_a_pipeline_at_another_pp(corpus, pp2_run, tmp_path, pp, tp):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(pp2_run / "checkpoints" / "step-00000010", run / "checkpoints" / "step-00000010")
-    proc = train(run, pp, sets(corpus, f"parallel.pp={pp}", "train.max_steps=12", "train.save_interval=0"))
+    layout = (f"parallel.pp={pp}", f"parallel.tp={tp}", "train.max_steps=12", "train.save_interval=0")
+    proc = train(run, pp * tp, sets(corpus, *layout))
     ok(proc)
-    assert f"pp=2 -> tp=1 dp=1 pp={pp}" in proc.stdout
+    assert f"pp=2 -> tp={tp} dp=1 pp={pp}" in proc.stdout
     same_curve(run, pp2_run, range(11, 13))  # Adam's moments, data position and dropout masks carried
 
 
