@@ -1,8 +1,11 @@
 """Shared test set-up: the repository root on sys.path and a cached extension folder."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -13,3 +16,18 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 # its CUDA accelerator whenever CUDA is visible, uses its CPU one; spawned ranks and
 # subprocesses inherit this.
 os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A prepared synthetic corpus (1,500 pairs) shared by the training tests."""
+    out = tmp_path_factory.mktemp("corpus") / "synthetic"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out

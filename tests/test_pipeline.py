@@ -23,20 +23,6 @@ from megaformer.pipeline.stage import mask_draws
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("corpus") / "synthetic"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
 def sets(corpus: Path, *extra: str) -> list[str]:
     """Four micro-batches per step (2048 tokens in micro-batches of <= 512), 30 steps, checkpoints every 10.
 

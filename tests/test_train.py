@@ -23,20 +23,6 @@ FAKES = ROOT / "tests" / "fakes"
 TINY = ROOT / "configs" / "tiny.yaml"
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("corpus") / "synthetic"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
 def common(corpus: Path) -> list[str]:
     # A short warm-up to a high learning rate, so that runs of 30 steps show the loss falling.
     return [

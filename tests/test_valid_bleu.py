@@ -9,32 +9,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_train import ROOT, common, losses, ok, train
+from test_train import common, losses, ok, train
 
 from megaformer.data.tokenizer import EOS_ID, Tokenizer
 from megaformer.errors import CheckpointError
 from megaformer.train import checkpoint as ckpt
 from megaformer.train.valid_bleu import _encode, bleu_skip_reason, load_bleu_sample
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("corpus") / "synthetic"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "1500", "--out", str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return out
-
 
 # ---- without processes -------------------------------------------------------------------------------
 

@@ -44,14 +44,13 @@ def input_shapes(part: StagePart, batch: StageBatch, model: Transformer) -> list
     d = model.cfg.d_model
     source = (batch.src.shape[0], batch.src.shape[1] // split, d)
     target = (batch.tgt_in.shape[0], batch.tgt_in.shape[1] // split, d)
-    shapes = []
-    if part.receives_encoder:
-        shapes.append(source)
-    if part.receives_memory:
-        shapes.append(source)
-    if part.receives_decoder:
-        shapes.append(target)
-    return shapes
+    return message(part, source, source, target)
+
+
+def message(receiver: StagePart, encoder, memory, decoder) -> list:
+    """Of the encoder states, the encoder output and the decoder states, those ``receiver`` needs, in order."""
+    needs = (receiver.receives_encoder, receiver.receives_memory, receiver.receives_decoder)
+    return [item for item, needed in zip((encoder, memory, decoder), needs, strict=True) if needed]
 
 
 def stage_forward(
@@ -84,14 +83,7 @@ def stage_forward(
             logits.flatten(0, 1), batch.tgt_out.flatten(), model.tp, model.vocab_size, smoothing, model.pad_id
         )
         return per_token.sum(), batch.tgt_out.ne(model.pad_id).sum()
-    out = []
-    if next_part.receives_encoder:
-        out.append(x)
-    if next_part.receives_memory:
-        out.append(memory)
-    if next_part.receives_decoder:
-        out.append(y)
-    return out
+    return message(next_part, x, memory, y)
 
 
 def mask_draws(model: Transformer) -> dict[str, int]:
