@@ -188,9 +188,7 @@ def _check_pipeline_parity(
     cfg: Config, ctx: ParallelContext, batch: tuple[torch.Tensor, ...], micro_batches: int
 ) -> ParityReport | None:
     """The PP (x TP) pipeline over ``micro_batches`` slices of ``batch`` against the unsplit model over the same."""
-    rows = batch[0].shape[0]
-    if micro_batches > rows:
-        raise ConfigError(f"--micro-batches {micro_batches} is more than the --batch {rows} rows to cut")
+    _check_micro_batches(micro_batches, batch[0].shape[0])
     micro = [tuple(t.tensor_split(micro_batches)[k] for t in batch) for k in range(micro_batches)]
     tokens = int(batch[2].ne(PAD_ID).sum())
     loss, grads = _pipeline_loss_and_grads(cfg, ctx, micro, tokens)
@@ -205,6 +203,11 @@ def _check_pipeline_parity(
             raise RuntimeError(f"no pipeline stage holds {name}")
         report.diffs[f"grad {name}"] = _relative(grads[name], p.grad.cpu())
     return report
+
+
+def _check_micro_batches(micro_batches: int, rows: int) -> None:
+    if micro_batches > rows:
+        raise ConfigError(f"--micro-batches {micro_batches} is more than the --batch {rows} rows to cut")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -267,6 +270,8 @@ def main(args: argparse.Namespace) -> int:
     if args.sequence_parallel:
         overrides.append("parallel.sequence_parallel=true")
     cfg = load_config(args.config, overrides)
+    if args.pp > 1:
+        _check_micro_batches(args.micro_batches, args.batch)  # before any process starts
     cfg.model.activation_checkpointing = False
     if "WORLD_SIZE" in os.environ:  # under torchrun / srun / the DeepSpeed launcher
         given = int(os.environ["WORLD_SIZE"])
