@@ -193,6 +193,21 @@ def test_zero1_over_each_stage_and_global_clipping(corpus, tmp_path):
     assert all(r["grad_norm"] > 0.5 for r in losses(one).values())  # clipping was active on every step
 
 
+def test_validation_through_the_pipeline_equals_pp1(corpus, tmp_path):
+    """Validation loss and perplexity at pp=2 (one forward per batch through both stages) equal pp=1's."""
+    extra = ("train.max_steps=4", "train.save_interval=0", "train.eval_interval=4", "train.eval_bleu_sentences=0")
+    records = []
+    for pp in (1, 2):
+        run = tmp_path / f"pp{pp}"
+        ok(train(run, pp, sets(corpus, f"parallel.pp={pp}", *extra)))
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        records.append([r for r in map(json.loads, lines) if r["kind"] == "valid"][-1])
+    one, two = records
+    assert two["tokens"] == one["tokens"]
+    for key in ("loss", "nll"):
+        assert abs(two[key] - one[key]) <= 1e-5 * one[key], key
+
+
 def test_activation_checkpointing_in_a_pipeline(corpus, pp1_run, tmp_path):
     run = tmp_path / "run"
     extra = ("parallel.pp=2", "model.activation_checkpointing=true", "train.max_steps=10", "train.save_interval=0")

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from megaformer.model import Transformer
 from megaformer.parallel import ParallelContext
 from megaformer.pipeline.split import OWN, StagePart
-from megaformer.pipeline.stage import StageBatch, input_shapes, mask_draws, stage_forward
+from megaformer.pipeline.stage import StageBatch, input_shapes, mask_draws, stage_forward, stage_outputs
 
 
 @dataclass
@@ -164,11 +164,12 @@ class Pipeline:
     # ---- forward only ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward_only(self, batch: StageBatch, smoothing: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One batch through the pipeline without gradients; the last stage returns its loss sum and tokens."""
+    @torch.no_grad()
+    def forward_only(self, batch: StageBatch) -> torch.Tensor | None:
+        """One batch through the pipeline without gradients; the last stage returns its slice of the logits."""
         inputs = self._empty(input_shapes(self.part, batch, self.model)) if self.prev_rank is not None else []
         self._exchange([], [(t, self.prev_rank) for t in inputs])
-        out = stage_forward(self.model, inputs, batch, self.next_part, smoothing)
+        out = stage_outputs(self.model, inputs, batch, self.next_part)
         if self.next_part is None:
             return out
         self._exchange([(o, self.next_rank) for o in out], [])

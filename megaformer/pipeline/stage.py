@@ -61,6 +61,19 @@ def stage_forward(
     Returns the tensors for ``next_part`` (in message order), or on the last stage the
     summed label-smoothed loss and the target token count (0-dim, on the device).
     """
+    out = stage_outputs(model, inputs, batch, next_part)
+    if next_part is not None:
+        return out
+    per_token = vocab_parallel_cross_entropy(
+        out.flatten(0, 1), batch.tgt_out.flatten(), model.tp, model.vocab_size, smoothing, model.pad_id
+    )
+    return per_token.sum(), batch.tgt_out.ne(model.pad_id).sum()
+
+
+def stage_outputs(
+    model: Transformer, inputs: list[torch.Tensor], batch: StageBatch, next_part: StagePart | None
+) -> list[torch.Tensor] | torch.Tensor:
+    """The tensors for ``next_part`` (in message order), or on the last stage this TP rank's slice of the logits."""
     part: StagePart = model.part
     received = iter(inputs)
     mask = model.source_mask(batch.src)
@@ -78,11 +91,7 @@ def stage_forward(
         for layer in model.decoder.children():
             y = model._layer(layer, y, memory, mask)
     if next_part is None:
-        logits = model.logits(model.decoder_norm(y))
-        per_token = vocab_parallel_cross_entropy(
-            logits.flatten(0, 1), batch.tgt_out.flatten(), model.tp, model.vocab_size, smoothing, model.pad_id
-        )
-        return per_token.sum(), batch.tgt_out.ne(model.pad_id).sum()
+        return model.logits(model.decoder_norm(y))
     return message(next_part, x, memory, y)
 
 

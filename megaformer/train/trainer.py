@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.shards import manifest_path, read_manifest
-from megaformer.data.stream import Batch, TokenBatchStream, open_prepared
+from megaformer.data.stream import TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
 from megaformer.decode.beam import SearchSettings
 from megaformer.errors import ConfigError, TrainingError
@@ -117,17 +117,6 @@ def pipeline_step(
     engine.step()
     pipeline.sync_embedding()
     return loss
-
-
-def _add_pipeline_valid(pipeline: Pipeline, b: Batch, smoothing: float, sums: list[float]) -> None:
-    """Validation of one batch through the pipeline: the last stage adds its loss, NLL and tokens."""
-    batch = StageBatch.of(b.src, b.tgt_in, b.tgt_out, pipeline.model)
-    smoothed = pipeline.forward_only(batch, smoothing)
-    nll = pipeline.forward_only(batch, 0.0)
-    if smoothed is not None:
-        sums[0] += smoothed[0].item()
-        sums[1] += nll[0].item()
-        sums[2] += b.tgt_tokens
 
 
 class Trainer:
@@ -352,13 +341,13 @@ class Trainer:
         pad_id, sums = self.model.pad_id, [0.0, 0.0, 0.0]
         for batch in stream:
             b = batch.to(self.ctx.device)
-            if self.pipeline is not None:
-                _add_pipeline_valid(self.pipeline, b, self.cfg.train.label_smoothing, sums)
-                continue
             padded = StageBatch.of(b.src, b.tgt_in, b.tgt_out, self.model)  # sequence parallelism splits evenly
-            src, tgt_in, tgt_out = padded.src, padded.tgt_in, padded.tgt_out
-            logits = self.model(src, tgt_in).flatten(0, 1)
-            args = (tgt_out.flatten(), self.ctx.tp, self.cfg.data.vocab_size)
+            if self.pipeline is None:
+                logits = self.model(padded.src, padded.tgt_in)
+            elif (logits := self.pipeline.forward_only(padded)) is None:
+                continue  # not the last stage: it adds nothing, the last stage's TP ranks add the sums
+            logits = logits.flatten(0, 1)
+            args = (padded.tgt_out.flatten(), self.ctx.tp, self.cfg.data.vocab_size)
             smoothed = vocab_parallel_cross_entropy(logits, *args, self.cfg.train.label_smoothing, pad_id).sum()
             nll = vocab_parallel_cross_entropy(logits, *args, 0.0, pad_id).sum()
             sums[0] += smoothed.item()
