@@ -40,19 +40,15 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaformer.config import ModelConfig  # noqa: E402
+from model_args import add_model_arguments, model_config, random_model  # noqa: E402
+
 from megaformer.decode.beam import SearchSettings, beam_search  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
-from megaformer.parallel import LOCAL, DropoutRNG  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers each")
-    p.add_argument("--vocab", type=int, default=8000)
+    add_model_arguments(p, layers=6)
     p.add_argument("--sentences", type=int, default=16)
     p.add_argument("--src-len", type=int, default=25, help="source tokens per sentence, eos included")
     p.add_argument("--out-len", type=int, default=50, help="output tokens per hypothesis (forced)")
@@ -104,16 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = ModelConfig(
-        d_model=args.d_model,
-        d_ff=args.d_ff,
-        num_heads=args.heads,
-        encoder_layers=args.layers,
-        decoder_layers=args.layers,
-        dropout=0.0,
-        max_positions=max(256, args.out_len + 2),
-    )
-    model = Transformer(cfg, args.vocab, LOCAL, DropoutRNG(1, LOCAL), seed=1).to(args.device).eval()
+    cfg = model_config(args, max(256, args.out_len + 2))
+    model = random_model(cfg, args.vocab).to(args.device).eval()
     g = torch.Generator().manual_seed(0)
     src = torch.randint(4, args.vocab, (args.sentences, args.src_len), generator=g)
     src[:, -1] = 3  # eos ends every source

@@ -38,13 +38,15 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megaformer.config import Config, ModelConfig  # noqa: E402
+from model_args import add_model_arguments, model_config, random_model  # noqa: E402
+
+from megaformer.config import Config  # noqa: E402
 from megaformer.decode.beam import SearchSettings  # noqa: E402
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer  # noqa: E402
 from megaformer.decode.translate import translate_ids  # noqa: E402
 from megaformer.export.command import write_export  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
-from megaformer.parallel import LOCAL, DropoutRNG, gather_full_state  # noqa: E402
+from megaformer.parallel import LOCAL, gather_full_state  # noqa: E402
 from megaformer.train.checkpoint import Consolidated  # noqa: E402
 
 EOS = 3
@@ -56,11 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--src", help="source sentences for --ckpt")
     p.add_argument("--ref", help="reference translations for --ckpt (teacher forcing)")
     p.add_argument("--data", default="../shared/data/multi30k", help="Multi30k folder (as make multi30k)")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=3, help="encoder and decoder layers each")
-    p.add_argument("--vocab", type=int, default=8000)
+    add_model_arguments(p, layers=3)
     p.add_argument("--train-steps", type=int, default=300, help="brief training of the random model (0: none)")
     p.add_argument("--sentences", type=int, default=100)
     p.add_argument("--max-new", type=int, default=40, help="output tokens before a forced eos")
@@ -85,16 +83,8 @@ def multi30k_model(args: argparse.Namespace, tmp: Path) -> Consolidated:
     text.write_text("\n".join(read_text(data / "train.en.gz") + read_text(data / "train.de.gz")) + "\n")
     train_bpe([text], tmp / "spm.model", args.vocab, seed=1)
     cfg = Config()
-    cfg.model = ModelConfig(
-        d_model=args.d_model,
-        d_ff=args.d_ff,
-        num_heads=args.heads,
-        encoder_layers=args.layers,
-        decoder_layers=args.layers,
-        dropout=0.0,
-        max_positions=256,
-    )
-    net = Transformer(cfg.model, args.vocab, LOCAL, DropoutRNG(1, LOCAL), seed=1)
+    cfg.model = model_config(args, 256)
+    net = random_model(cfg.model, args.vocab)
     if args.train_steps:
         pairs = list(zip(read_text(data / "train.en.gz"), read_text(data / "train.de.gz")))
         brief_training(net, pairs, tmp / "spm.model", args.train_steps)
