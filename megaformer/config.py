@@ -99,6 +99,9 @@ class TrainConfig:
     # costs a copy on a CPU. auto = on with CUDA, off on CPU.
     zero_contiguous_gradients: str = "auto"
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU table, or measured on a CPU
+    # torch.compile each encoder and decoder layer (regional compilation; the first steps compile).
+    # Made for GPUs; on a CPU it is slower than eager with torch 2.13 (benchmarks/throughput.py --compile).
+    compile: bool = False
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from megaformer.parallel import LOCAL, DropoutRNG, TPGroup
@@ -30,15 +31,49 @@ def test_streams_differ_by_seed_and_data_stream():
     assert not torch.equal(a, b) and not torch.equal(a, c)
 
 
-def test_generator_lives_on_the_device_of_the_masked_tensor():
+def test_masks_are_made_on_the_device_of_the_masked_tensor_and_are_the_same_on_every_device():
     rng = DropoutRNG(1, LOCAL)
-    assert rng.shared.generator is None  # nothing is created on an implicit default device
-    rng.keep_mask(torch.ones(3, device="cpu"), 0.1, None)
-    assert rng.shared.generator.device == torch.device("cpu")
+    start = rng.state_dict()
+    cpu = rng.keep_mask(torch.ones(5, 7, device="cpu"), 0.1, None)
+    assert cpu.device == torch.device("cpu")
     if torch.cuda.is_available():
-        x = torch.ones(3, device="cuda")
-        rng.keep_mask(x, 0.1, None)
-        assert rng.shared.generator.device == x.device
+        with rng.fork(start):
+            gpu = rng.keep_mask(torch.ones(5, 7, device="cuda"), 0.1, None)
+        assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
+
+
+def test_masks_keep_one_minus_p_and_are_independent_of_each_other():
+    rng = DropoutRNG(2, LOCAL)
+    x = torch.ones(256, 1024)
+    a, b = rng.keep_mask(x, 0.3, None), rng.keep_mask(x, 0.3, None)
+    n = x.numel()
+    assert abs(a.mean().item() - 0.7) < 4 * (0.21 / n) ** 0.5
+    both_dropped = ((1 - a) * (1 - b)).mean().item()
+    assert abs(both_dropped - 0.09) < 4 * (0.09 * 0.91 / n) ** 0.5
+    # Neighbouring elements share a 64-bit word: their bits must not be related either.
+    pairs = ((1 - a[:, 0::2]) * (1 - a[:, 1::2])).mean().item()
+    assert abs(pairs - 0.09) < 4 * (0.09 * 0.91 / (n // 2)) ** 0.5
+
+
+def test_a_region_draws_its_keys_first_and_its_masks_are_those_drawn_one_by_one():
+    x = torch.ones(3, 8)
+    one_by_one = _masks(DropoutRNG(4, LOCAL), 3, shape=x.shape)
+    rng = DropoutRNG(4, LOCAL)
+    with rng.region({"shared": 3, "local": 0}, x.device):
+        assert rng.state_dict()["shared"][1] == 3  # all three keys drawn when the region opens
+        inside = _masks(rng, 3, shape=x.shape)
+    assert all(torch.equal(a, b) for a, b in zip(inside, one_by_one))
+
+
+def test_a_region_that_makes_more_or_fewer_masks_than_it_drew_is_an_error():
+    rng = DropoutRNG(4, LOCAL)
+    with pytest.raises(RuntimeError, match="left"):
+        with rng.region({"shared": 2}, torch.device("cpu")):
+            _masks(rng, 1)
+    with pytest.raises(RuntimeError, match="more shared masks"):
+        with rng.region({"shared": 1}, torch.device("cpu")):
+            _masks(rng, 2)
+    assert rng.keys is None  # the region is closed after an error
 
 
 def test_fork_switches_visibly_and_keeps_what_the_block_drew():
@@ -76,3 +111,24 @@ def test_exact_mode_slices_are_the_full_mask():
         tp = TPGroup(group=None, size=2, rank=rank)
         part = DropoutRNG(5, tp).keep_mask(torch.ones(2, 3, 4), 0.2, split_dim=-1)
         assert torch.equal(part, whole[..., rank * 4 : (rank + 1) * 4])
+
+
+def test_mask_bits_are_splitmix64_computed_in_python_integers():
+    """The bits every device must produce: SplitMix64 (Steele et al. 2014) written with Python's integers."""
+    from megaformer.parallel.rng import _random_bits16
+
+    def splitmix64(state: int) -> int:
+        z = state & (2**64 - 1)
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return z ^ (z >> 31)
+
+    key = 0x1234_5678_9ABC_DEF
+    expected = []
+    for word in range(1, 4):  # 10 elements use words 1..3 (four 16-bit lanes each, low lane first)
+        z = splitmix64(key + word * 0x9E3779B97F4A7C15)
+        for lane in range(4):
+            bits = (z >> (16 * lane)) & 0xFFFF
+            expected.append(bits - 65536 if bits >= 32768 else bits)
+    got = _random_bits16([2, 5], torch.tensor(key))
+    assert got.flatten().tolist() == expected[:10]

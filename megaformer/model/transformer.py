@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -96,6 +97,7 @@ class Transformer(nn.Module):
         self.encoder_norm = norm() if pre and part.ends_encoder else nn.Identity()
         self.decoder_norm = norm() if pre and part.last else nn.Identity()
         self.activation_checkpointing = cfg.activation_checkpointing
+        self._compiled: dict[nn.Module, nn.Module] = {}  # layer -> its compiled forward (compile_layers)
         init_parameters(self, seed, tp)
         if part.embedding == COPY:
             # A pipeline stage other than the first uses the table but does not own it: a
@@ -118,10 +120,33 @@ class Transformer(nn.Module):
         x = x + self.positions[start : start + x.shape[1]].to(x.dtype)
         return self.embed_dropout(x)
 
+    def compile_layers(self) -> None:
+        """Train each encoder and decoder layer through ``torch.compile`` (``train.compile``).
+
+        Regional compilation, as torchtitan does it: one graph per layer class, reused by
+        every layer of that class, with dynamic batch and length (one compilation, not one
+        per bucket shape). Only training forwards run compiled; decoding and validation
+        run the same modules eagerly. The layers' dropout keys arrive as tensors
+        (:meth:`DropoutRNG.region`), so the masks are the eager ones.
+        """
+        self._compiled = {layer: torch.compile(layer, dynamic=True) for layer in self.layers()}
+
+    def layers(self) -> list[nn.Module]:
+        """This model's (or stage's) encoder and decoder layers, in order."""
+        return [layer for stack in (self.encoder, self.decoder) for layer in stack.children()]
+
     def _layer(self, layer: nn.Module, *args) -> torch.Tensor:
-        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-            return checkpoint_with_rng(layer, self.rng, *args)
-        return layer(*args)
+        if not self.training:
+            return layer(*args)
+        forward = self._compiled.get(layer, layer)
+
+        def run(*inputs: torch.Tensor) -> torch.Tensor:
+            with self.rng.region(layer.mask_draws(), inputs[0].device):
+                return forward(*inputs)
+
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint_with_rng(run, self.rng, *args)
+        return run(*args)
 
     def source_mask(self, src: torch.Tensor) -> torch.Tensor:
         """(batch, 1, 1, src_len) True where a key is a real token.
@@ -203,7 +228,7 @@ def _layer_stack(indices: range, make) -> nn.Module:
     return nn.ModuleDict({str(i): make() for i in indices})
 
 
-def checkpoint_with_rng(layer: nn.Module, rng: DropoutRNG, *args) -> torch.Tensor:
+def checkpoint_with_rng(layer: Callable[..., torch.Tensor], rng: DropoutRNG, *args) -> torch.Tensor:
     """Run ``layer`` without keeping activations; backward recomputes it with the same dropout masks.
 
     The recomputation draws from a fork of the dropout streams as they were before the

@@ -1,4 +1,4 @@
-"""Dropout randomness that is correct under tensor parallelism.
+"""Dropout randomness that is correct under tensor parallelism, the same on every device, and compilable.
 
 Two streams, both owned by one :class:`DropoutRNG`:
 
@@ -17,25 +17,28 @@ drawing tp-times more random numbers for split tensors. The paper's model drops 
 only replicated tensors (attention and activation dropout are 0), so without
 sequence parallelism both modes cost the same.
 
-Masks are drawn as 16 random bits per element (:func:`_random_bits16`), not with
-``bernoulli_``: one 32-bit Mersenne Twister draw feeds two elements, and a
-(32, 30, 512) mask costs ~0.7 ms instead of ~3.4 ms on a 2-core CPU (``bernoulli_``
-was the largest cost after the matmuls). An element is dropped when its 16 bits,
-read as a signed integer, fall below a threshold, so the drop probability is ``p``
-rounded to a multiple of 2^-16 (0.1 -> 6554 / 65536 = 0.100006); kept elements are
-scaled by the inverse of the rounded keep probability. The scale multiplies in the
-compute precision (a Python float, not a tensor of the activation dtype), so a bf16
-activation is scaled by 1/0.9, not by bf16(1/0.9) = 1.109375, and a mask's mean is 1
-in expectation in every precision.
+**Counter-based masks.** A mask is a pure function of a 64-bit key and the element's
+position, as in Philox (what CUDA's dropout uses): the bits of element ``e`` are 16
+bits of ``splitmix64(key + (e // 4 + 1) * golden)`` (SplitMix64, Steele et al. 2014; 64
+bits feed four elements). There is no generator object, so the same key gives the
+same mask on a CPU and a GPU, and the computation is plain integer tensor arithmetic
+that ``torch.compile`` fuses into the dropout's kernel (``train.compile``): a Python
+generator per mask would break every compiled graph at every dropout. An element is
+dropped when its 16 bits, read as a signed integer, fall below a threshold, so the
+drop probability is ``p`` rounded to a multiple of 2^-16 (0.1 -> 6554 / 65536 =
+0.100006); kept elements are scaled by the inverse of the rounded keep probability.
+The scale multiplies in the compute precision (a Python float, not a tensor of the
+activation dtype), so a bf16 activation is scaled by 1/0.9, not by bf16(1/0.9) =
+1.109375, and a mask's mean is 1 in expectation in every precision.
 
-**Device-neutral state.** Each stream is a counter: a 63-bit seed and the number of
-masks drawn so far. Mask ``n`` comes from the device's own generator seeded with
-``mix(seed, n)``, so the state is two integers per stream, the same on every device: a
-checkpoint written on a CPU resumes on a GPU and the reverse. The masks themselves are
-the device generator's (Mersenne Twister on a CPU, Philox on CUDA): a run continued on
-another kind of device draws other, equally distributed masks from the same point,
-and a run continued on the same kind of device draws exactly the masks it would have.
-Reseeding costs ~2 us per mask, against ~0.7 ms for the mask itself.
+**Regions.** Each stream is a counter: a 63-bit seed and the number of keys drawn so
+far, two integers, the same on every device. A layer draws its keys when it starts
+(:meth:`DropoutRNG.region`, as many as :meth:`EncoderLayer.mask_draws` says): key
+``n`` is ``mix(seed, n)``, made on the layer's device by a fill (no host-to-device
+copy, nothing waits for the GPU), and the layer's k-th mask of a stream uses the
+k-th key. So a compiled layer reads its keys as tensor inputs and never sees a
+counter that changes from step to step, and a dropout outside any layer (the
+embeddings) draws one key of its own.
 """
 
 from __future__ import annotations
@@ -54,22 +57,47 @@ def _mix(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 _LEVELS = 1 << 16  # dropout probabilities are multiples of 2^-16
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)  # SplitMix64's increment and multipliers, as signed int64
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
 
 
-def _random_bits16(shape: list[int], generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Uniform random int16 values of ``shape``, from 64-bit draws cut into four.
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser of the int64 tensor ``z``, in place (logical shifts; products wrap mod 2^64)."""
+    shifted = torch.empty_like(z)
+    for shift, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=shifted).bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(shifted)
+        if multiplier is not None:
+            z.mul_(multiplier)
+    return z
 
-    ``random_(-2**63, None)`` is the one integer sampler that returns every bit of
-    its draws (the other ranges cost a modulo or waste a bit); the values depend only
-    on the generator's state and ``shape``, so a slice of a full-shape tensor is
-    reproducible at any TP size.
+
+def _random_bits16(shape: list[int], key: torch.Tensor) -> torch.Tensor:
+    """Uniform signed 16-bit values of ``shape``: element e gets lane e % 4 of word e // 4 of ``key``'s sequence.
+
+    ``key`` is a 0-dim int64 tensor on the device the bits are made on. The values
+    depend only on ``key`` and ``shape``, so a slice of a full-shape tensor is the same
+    at any TP size, on any device, compiled or not. Eagerly, each 64-bit word is
+    computed once and viewed as four int16 (little-endian: lane 0 is the low 16 bits);
+    in a compiled graph each element computes its word and shifts its lane out, which
+    Inductor fuses into the consumer (it miscompiles a dtype view fused into one).
     """
     numel = 1
     for size in shape:
         numel *= size
-    words = torch.empty((numel + 3) // 4, dtype=torch.int64, device=device)
-    words.random_(-(1 << 63), None, generator=generator)
+    if torch.compiler.is_compiling():
+        position = torch.arange(numel, dtype=torch.int64, device=key.device)
+        words = _splitmix64((position >> 2).add_(1).mul_(_GOLDEN).add_(key))
+        lanes = (words >> ((position & 3) * 16)) & 0xFFFF
+        return (lanes - ((lanes >> 15) << 16)).view(shape)  # as signed 16-bit values
+    words = torch.arange(1, (numel + 3) // 4 + 1, dtype=torch.int64, device=key.device)
+    words = _splitmix64(words.mul_(_GOLDEN).add_(key))
     return words.view(torch.int16)[:numel].view(shape)
 
 
@@ -79,22 +107,16 @@ def _drop_levels(p: float) -> int:
 
 
 class _Stream:
-    """A counter-based random stream: draw ``n`` uses a generator seeded with ``mix(seed, n)``.
-
-    The generator lives on the device of the tensor being masked, created there at its
-    first draw: never on an implicit default device.
-    """
+    """A counter-based stream: key ``n`` is ``mix(seed, n)``."""
 
     def __init__(self, seed: int) -> None:
         self.seed, self.draws = seed, 0
-        self.generator: torch.Generator | None = None
 
-    def next_generator(self, device: torch.device) -> torch.Generator:
-        if self.generator is None or self.generator.device != device:
-            self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(_mix(self.seed, self.draws))
-        self.draws += 1
-        return self.generator
+    def next_keys(self, count: int, device: torch.device) -> list[torch.Tensor]:
+        """The next ``count`` keys, each a 0-dim int64 tensor filled on ``device``."""
+        keys = [torch.full((), _mix(self.seed, self.draws + i), dtype=torch.int64, device=device) for i in range(count)]
+        self.draws += count
+        return keys
 
 
 class DropoutRNG:
@@ -118,6 +140,7 @@ class DropoutRNG:
         state = self.initial_state(seed, tp.rank, stream)
         self.shared = _Stream(state["shared"][0])
         self.local = _Stream(state["local"][0])
+        self.keys: dict[str, list[torch.Tensor]] | None = None  # the open region's unused keys, per stream
 
     @staticmethod
     def initial_state(seed: int, tp_rank: int, stream: int) -> dict[str, list[int]]:
@@ -137,6 +160,33 @@ class DropoutRNG:
             counts[self.stream_of(split_dim)] += 1
         return counts
 
+    @contextmanager
+    def region(self, draws: dict[str, int], device: torch.device) -> Iterator[None]:
+        """Draw the keys of ``draws`` masks per stream now; the masks made inside the block use them in order.
+
+        A layer (compiled or not) runs inside one region, so its keys reach it as
+        tensors. The block must use exactly the keys it drew: a layer that made more or
+        fewer masks than its ``mask_draws`` says would reuse or skip another layer's.
+        """
+        if self.keys is not None:
+            raise RuntimeError("dropout regions do not nest")
+        self.keys = {name: getattr(self, name).next_keys(n, device) for name, n in draws.items() if n}
+        try:
+            yield
+            left = {name: len(keys) for name, keys in self.keys.items() if keys}
+            if left:
+                raise RuntimeError(f"a dropout region drew {draws} masks but left {left} unused")
+        finally:
+            self.keys = None
+
+    def _next_key(self, stream: str, device: torch.device) -> torch.Tensor:
+        if self.keys is None:  # a mask outside any region draws its own key
+            return getattr(self, stream).next_keys(1, device)[0]
+        keys = self.keys.get(stream)
+        if not keys:
+            raise RuntimeError(f"a dropout region made more {stream} masks than it drew keys for")
+        return keys.pop(0)
+
     def keep_mask(self, x: torch.Tensor, p: float, split_dim: int | None) -> torch.Tensor:
         """A 0/1 mask (dtype of ``x``) of the elements kept with probability 1 - p (p rounded to 2^-16).
 
@@ -145,18 +195,18 @@ class DropoutRNG:
         """
         shape = list(x.shape)
         narrow = None
-        stream = getattr(self, self.stream_of(split_dim))
-        if stream is self.shared and split_dim is not None and self.tp.size > 1:
+        stream = self.stream_of(split_dim)
+        if stream == "shared" and split_dim is not None and self.tp.size > 1:
             dim = split_dim % x.dim()
             shape[dim] *= self.tp.size
             narrow = (dim, self.tp.rank * x.shape[dim], x.shape[dim])
-        bits = _random_bits16(shape, stream.next_generator(x.device), x.device)
+        bits = _random_bits16(shape, self._next_key(stream, x.device))
         if narrow is not None:
             bits = bits.narrow(*narrow)  # compare only this rank's slice
         # Signed 16-bit values are uniform on [-2^15, 2^15): an element is kept when its
         # value reaches drop - 2^15, which has probability 1 - drop / 2^16.
         threshold = _drop_levels(p) - _LEVELS // 2
-        return torch.ge(bits, threshold, out=torch.empty(bits.shape, dtype=x.dtype, device=x.device))
+        return torch.ge(bits, threshold).to(x.dtype)
 
     def dropout(self, x: torch.Tensor, p: float, training: bool, split_dim: int | None = None) -> torch.Tensor:
         """x * mask / (1 - p): the scale is a Python float, applied in the compute precision."""
@@ -166,7 +216,7 @@ class DropoutRNG:
         return x.mul(self.keep_mask(x, p, split_dim)).mul_(_LEVELS / (_LEVELS - drop))
 
     def state_dict(self) -> dict[str, list[int]]:
-        """[seed, masks drawn] of each stream: plain integers, the same on every device."""
+        """[seed, keys drawn] of each stream: plain integers, the same on every device."""
         return {"shared": [self.shared.seed, self.shared.draws], "local": [self.local.seed, self.local.draws]}
 
     def load_state_dict(self, state: dict[str, list[int]]) -> None:

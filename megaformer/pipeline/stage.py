@@ -111,7 +111,6 @@ def mask_draws(model: Transformer) -> dict[str, int]:
             counts[k] += v * times
 
     add(model.embed_dropout.mask_draws(), int(part.embeds_source) + int(part.embeds_target))
-    for stack in (model.encoder, model.decoder):
-        for layer in stack.children():
-            add(layer.mask_draws())
+    for layer in model.layers():
+        add(layer.mask_draws())
     return counts

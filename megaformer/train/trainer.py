@@ -151,6 +151,9 @@ class Trainer:
             pad_id=PAD_ID,
             part=self.stages[ctx.pp_rank],
         ).to(ctx.device)
+        if t.compile:
+            self.model.compile_layers()
+            self.log("train: train.compile: the encoder and decoder layers run compiled (the first steps compile them)")
         streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
         # The step stays within 10 % of train.tokens_per_step at any DP size (smaller micro-batches if needed).
         self.plan = plan_step(t.tokens_per_step, streams, cfg.data.max_tokens, cfg.data.max_len + 1)
