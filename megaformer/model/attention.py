@@ -71,6 +71,25 @@ def split_heads(fused: torch.Tensor, blocks: int, heads: int, head_dim: int) -> 
     return [block.view(b, t, heads, head_dim).transpose(1, 2) for block in fused.split(heads * head_dim, dim=-1)]
 
 
+# On a CPU, SDPA's fused (flash) kernel is slower than three plain ops for the short
+# sequences of translation. Forward and backward of one (32, 8, 30, 64) attention:
+# 15.2 ms in bf16 against 4.1 ms for matmul, fp32 softmax and matmul (fp32: 4.5 against
+# 3.3). In bf16 the matmuls (what AMX and AVX512-BF16 run fast) stay ahead up to 128 keys
+# (16.4 against 12.5 ms) and draw level at 256; in fp32 they fall behind from ~64 keys
+# (2.2 against 2.5 ms). On a GPU the fused kernels win at every length. Measured on the
+# 2-core development machine with benchmarks/attention.py.
+CPU_MATMUL_MAX_KEYS_FP32 = 48
+CPU_MATMUL_MAX_KEYS_BF16 = 128  # and fp16
+
+
+def uses_matmul_attention(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+    """Whether :func:`attend` computes the scores with matmuls (or calls SDPA's fused kernel)."""
+    if dropout_p > 0.0:
+        return True
+    limit = CPU_MATMUL_MAX_KEYS_FP32 if q.dtype == torch.float32 else CPU_MATMUL_MAX_KEYS_BF16
+    return q.device.type == "cpu" and k.shape[-2] <= limit
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -83,23 +102,34 @@ def attend(
     """softmax(q k^T / sqrt(d) + mask) v for (batch, heads, len, head_dim) tensors.
 
     ``mask`` is boolean, True where a key may be attended, broadcast to
-    (batch, heads, tgt_len, src_len). Without attention dropout this is one call of
-    ``scaled_dot_product_attention``; with it, the probabilities are dropped with a
+    (batch, heads, tgt_len, src_len). On a GPU, and for long sources on a CPU, this is
+    one call of ``scaled_dot_product_attention``; otherwise (see
+    :func:`uses_matmul_attention`), and always with attention dropout, the scores
+    are a matmul, the softmax runs in fp32 and the probabilities are dropped with a
     mask from the TP-aware stream (split along heads, dimension 1).
     """
     t, s = q.shape[-2], k.shape[-2]
     causal = causal and t > 1  # one new query sees every cached key
-    if causal and (mask is not None or t != s or dropout_p > 0.0):
+    matmul = uses_matmul_attention(q, k, dropout_p)
+    if causal and (matmul or mask is not None or t != s):
         # Query i sits at position s - t + i: it sees keys 0 .. s - t + i (bottom-right aligned).
         causal_mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         mask = causal_mask if mask is None else mask & causal_mask
         causal = False
-    if dropout_p == 0.0:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, tgt_len, src_len)
+    if matmul:
+        return matmul_attention(q, k, v, mask, dropout_p, rng)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float, rng: DropoutRNG
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v as two matmuls and an fp32 softmax, probabilities dropped with ``dropout_p``."""
+    scores = torch.matmul(q, k.transpose(-2, -1)).float() * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, t, s)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = rng.dropout(torch.softmax(scores, dim=-1), dropout_p, True, split_dim=1)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = rng.dropout(probs, dropout_p, dropout_p > 0.0, split_dim=1)
     return torch.matmul(probs, v)
 
 
