@@ -1,6 +1,6 @@
 """Training throughput of megaformer against ``torch.nn.Transformer``, one process, base shape.
 
-    python benchmarks/throughput.py [--dtype fp32|bf16] [--json] [--steps N] [--warmup N]
+    python benchmarks/throughput.py [--dtype fp32|bf16] [--compile] [--json] [--steps N] [--warmup N]
 
 Both models are the paper's base Transformer (d_model 512, 8 heads, d_ff 2048, 6 + 6
 post-LN layers, one shared 8000-word embedding scaled by sqrt(d) that is also the
@@ -23,6 +23,11 @@ median of several, before and after the steps), and
 
 with the same parameter count for both (the paper model's, without megaformer's
 vocabulary padding rows), so the fractions compare like the throughputs do.
+
+``--compile`` adds a third model, megaformer with ``train.compile``'s regional
+``torch.compile`` of its layers (:meth:`Transformer.compile_layers`), the same
+weights and batch, in the same alternation; its compilation happens in the warm-up
+steps and is reported apart.
 
 ``--dtype bf16`` runs both models under ``torch.autocast("cpu", torch.bfloat16)``
 with fp32 weights and optimizer state (matmuls in bf16, losses in fp32), and
@@ -139,7 +144,9 @@ def matmul_gflops(dtype: torch.dtype, n: int = PEAK_N, repeats: int = 7) -> list
     return samples
 
 
-def run(dtype: str, steps: int, warmup: int, reference_dropout: str, log: Callable[[str], None]) -> dict:
+def run(
+    dtype: str, steps: int, warmup: int, reference_dropout: str, compile_layers: bool, log: Callable[[str], None]
+) -> dict:
     torch.manual_seed(0)
     bf16 = dtype == "bf16"
     src, tgt_in, tgt_out = make_batch()
@@ -158,9 +165,17 @@ def run(dtype: str, steps: int, warmup: int, reference_dropout: str, log: Callab
         "megaformer": training_step(mega, lambda: mega.loss(src, tgt_in, tgt_out, LABEL_SMOOTHING), bf16),
         "reference": training_step(ref, lambda: ref.loss(src, tgt_in, tgt_out), bf16),
     }
+    if compile_layers:
+        compiled = megaformer_model()
+        compiled.compile_layers()
+        steppers["compiled"] = training_step(
+            compiled, lambda: compiled.loss(src, tgt_in, tgt_out, LABEL_SMOOTHING), bf16
+        )
     times: dict[str, list[float]] = {name: [] for name in steppers}
     for i in range(warmup + steps):
         this_round = {name: step() for name, step in steppers.items()}  # A B A B: drift hits both alike
+        if i == 0 and compile_layers:
+            first_compiled = this_round["compiled"]  # mostly compilation
         if i >= warmup:
             for name, seconds in this_round.items():
                 times[name].append(seconds)
@@ -180,6 +195,9 @@ def run(dtype: str, steps: int, warmup: int, reference_dropout: str, log: Callab
         result[f"{name}_peak_fraction"] = flop_per_step / seconds / (peak * 1e9)
         result[f"{name}_step_times_s"] = [round(t, 4) for t in samples]
     result["ratio"] = result["megaformer_tokens_per_s"] / result["reference_tokens_per_s"]
+    if compile_layers:
+        result["compiled_ratio"] = result["compiled_tokens_per_s"] / result["reference_tokens_per_s"]
+        result["compiled_first_step_s"] = round(first_compiled, 1)
     result["peak_gflops"] = peak
     result["peak_gflops_samples"] = [round(g, 1) for g in peak_samples]
     result["peak_matmul"] = f"torch.mm {PEAK_N}x{PEAK_N} {dtype}, median"
@@ -203,14 +221,17 @@ def main(argv: list[str] | None = None) -> int:
         default="paper",
         help="paper: nn.Transformer drops only what megaformer drops; everywhere: also attention and FFN activations",
     )
+    p.add_argument("--compile", action="store_true", help="also time megaformer with its layers compiled")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
+    if args.compile and args.warmup < 1:
+        p.error("--compile needs at least one warm-up step (the compilation)")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    r = run(args.dtype, args.steps, args.warmup, args.reference_dropout, log)
+    r = run(args.dtype, args.steps, args.warmup, args.reference_dropout, args.compile, log)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -220,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         f"= {6 * r['parameters'] * r['target_tokens_per_step'] / 1e9:.0f} GFLOP a step"
     )
     print(f"{'model':22s} {'step s':>8s} {'target tok/s':>13s} {'of peak':>8s}")
-    for name, label in (("megaformer", "megaformer"), ("reference", "torch.nn.Transformer")):
+    rows = [("megaformer", "megaformer"), ("reference", "torch.nn.Transformer")]
+    if args.compile:
+        rows.insert(1, ("compiled", "megaformer, compiled"))
+    for name, label in rows:
         print(
             f"{label:22s} {r[f'{name}_step_s']:8.3f} {r[f'{name}_tokens_per_s']:13.0f} "
             f"{r[f'{name}_peak_fraction']:8.1%}"
@@ -229,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
         f"ratio (megaformer / reference): {r['ratio']:.2f}  "
         f"[{r['precision']}; {r['optimizer']}; reference dropout: {r['reference_dropout']}]"
     )
+    if args.compile:
+        print(
+            f"ratio (compiled megaformer / reference): {r['compiled_ratio']:.2f}; "
+            f"first compiled step (compilation): {r['compiled_first_step_s']:.1f}s"
+        )
     return 0
 
 
