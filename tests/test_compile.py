@@ -4,7 +4,7 @@ In process: a compiled model against an eager copy of itself (loss, every gradie
 dropout streams), with and without activation checkpointing, over batches of two
 lengths (one dynamic-shape compilation). End to end: a compiled run at TP=2 follows a
 compiled run at TP=1 and the eager run, resumes exactly after a kill, and its
-checkpoint decodes.
+checkpoint decodes; a compiled pipeline (pp=2) follows the eager one.
 """
 
 from __future__ import annotations
@@ -150,3 +150,12 @@ def test_a_compiled_runs_checkpoint_translates(compiled_tp2_run, tmp_path):
     ok(proc)
     assert proc.stdout.count("\n") == 2  # one line per sentence (a model of 20 steps may say nothing yet)
     assert "translated 2 sentences" in proc.stderr
+
+
+def test_compiled_pipeline_follows_the_eager_pipeline(corpus, tmp_path):
+    sets = common(corpus) + ["parallel.pp=2", "train.max_steps=4", "train.save_interval=0"]
+    ok(train(tmp_path / "eager", 2, sets))
+    ok(train(tmp_path / "compiled", 2, sets + ["train.compile=true"]))
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    for step in range(1, 5):
+        assert abs(compiled[step]["loss"] - eager[step]["loss"]) <= 1e-4 * eager[step]["loss"], step

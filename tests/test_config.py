@@ -62,6 +62,7 @@ def test_overrides_convert_types():
         ("train.precision=fp8", ["train.precision", "bf16"]),
         ("model.dropout=1.5", ["model.dropout"]),
         ("model.num_heads", ["KEY=VALUE"]),
+        ("train.compile=maybe", ["train.compile"]),
     ],
 )
 def test_bad_overrides_name_the_key(override, words):
