@@ -10,13 +10,11 @@ checkpoint decodes; a compiled pipeline (pp=2) follows the eager one.
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_train import ROOT, common, losses, ok, train
+from test_train import common, losses, megaformer, ok, train
 
 from megaformer.config import ModelConfig
 from megaformer.decode.beam import SearchSettings, beam_search
@@ -140,13 +138,7 @@ def test_compiled_run_killed_and_resumed_is_exact(corpus, compiled_tp2_run, tmp_
 def test_a_compiled_runs_checkpoint_translates(compiled_tp2_run, tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("a b c\nd e\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "translate", "--ckpt", str(compiled_tp2_run), "--input", str(source)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    proc = megaformer("translate", "--ckpt", compiled_tp2_run, "--input", source)
     ok(proc)
     assert proc.stdout.count("\n") == 2  # one line per sentence (a model of 20 steps may say nothing yet)
     assert "translated 2 sentences" in proc.stderr

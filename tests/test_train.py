@@ -77,6 +77,12 @@ def train(
     return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
 
 
+def megaformer(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m megaformer.cli ARGS`` from the repository root, its output captured."""
+    argv = [sys.executable, "-m", "megaformer.cli", *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
 def losses(run_dir: Path) -> dict[int, dict]:
     """The last record logged for each step (a resumed run logs the replayed steps again)."""
     out = {}
@@ -231,26 +237,12 @@ def test_reshard_and_export_commands(tp2_run, tmp_path):
     from megaformer.train.checkpoint import check_complete, consolidate, load_consolidated
 
     out = tmp_path / "tp4"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "reshard", "--ckpt", str(tp2_run), "--out", str(out), "--tp", "4"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    ok(proc)
+    ok(megaformer("reshard", "--ckpt", tp2_run, "--out", out, "--tp", 4))
     step_dir = out / "step-00000030"
     meta = check_complete(step_dir)
     assert meta["layout"]["tp"] == 4 and len([f for f in meta["files"] if f.startswith("model-")]) == 4
     model_file = tmp_path / "model.pt"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "export", "--ckpt", str(tp2_run), "--out", str(model_file)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    ok(proc)
+    ok(megaformer("export", "--ckpt", tp2_run, "--out", model_file))
     exported = load_consolidated(model_file)
     resharded = consolidate(step_dir)
     assert exported.tokenizer and exported.meta["step"] == 30
