@@ -17,6 +17,8 @@ M30K_TAG := $(if $(filter 60,$(MINUTES)),,-$(MINUTES)m)
 M30K_RUN := $(M30K)/run$(M30K_TAG)
 # A checkpoint every MINUTES/24 minutes: the last 5, averaged, span the last ~20 % of any run length.
 M30K_SAVE := $(shell awk 'BEGIN { print $(MINUTES) / 24 }')
+# Dropout for the run's length: 0.3 overfits less in runs of 30 minutes or more, 0.15 learns faster in shorter ones.
+M30K_DROPOUT := $(shell awk 'BEGIN { print ($(MINUTES) < 30) ? 0.15 : 0.3 }')
 # bf16 where the CPU computes it natively (AVX512-BF16 / AMX), fp32 elsewhere.
 M30K_PRECISION ?= $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo fp32)
 
@@ -46,7 +48,7 @@ demo: install
 multi30k: install
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
 		--test $(DATA)/test_2016_flickr --vocab-size 8000 --out $(M30K)/data --force
-	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data \
+	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) \
 		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) \
 		--set train.max_minutes=$(MINUTES) --set train.save_minutes=$(M30K_SAVE) --run-dir $(M30K_RUN) --nproc 2 --resume auto
 	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt
