@@ -22,7 +22,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "testcluster.sh"
-STEPS = 80  # the reference length: ~15 s of training on 2 idle cores
+# The reference length: ~40 s of training on 2 idle cores (80 steps took 8 s). slurmctld looks for due --signal
+# warnings every 30 s, so a warning due at a job's start reaches it up to ~30 s later; the
+# preempted job (same length) must still be training then, or it completes unwarned.
+STEPS = 400
 COMMON = ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512", "--set", "train.log_interval=1"]
 COMMON += ["--set", "train.eval_interval=0", "--set", "data.num_workers=1", "--set", "parallel.timeout_minutes=1"]
 # Namespace names of this session's cluster: its own, so that two sessions cannot take each other's down.
@@ -168,8 +171,8 @@ def test_two_nodes_tp_inside_dp_across(reference):
 
 def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, reference):
     """2b: SLURM's --signal=B:USR1 before the time limit: save, real scontrol requeue, resume, same curve."""
-    # The warning is due 10 s in (SLURM may send it up to a minute early): before or during the
-    # ranks' start-up, which they survive; they take it at the end of their first step.
+    # The warning is due 10 s in and comes at slurmctld's next periodic check (STEPS above): before,
+    # during or after the ranks' start-up, which they survive; they take it at the end of a step.
     job, run, out = cluster.submit("preempted", "--time=3", "--signal=B:USR1@170")
     # The second attempt would be warned again 10 s in; a longer limit lets it finish (the job
     # requeued itself once).
