@@ -22,9 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "testcluster.sh"
-# The reference length: ~40 s of training on 2 idle cores (80 steps took 8 s). slurmctld looks for due --signal
-# warnings every 30 s, so a warning due at a job's start reaches it up to ~30 s later; the
-# preempted job (same length) must still be training then, or it completes unwarned.
+# The reference length: ~40 s of training on 2 idle cores (80 steps took 8 s). slurmctld
+# looks for due --signal warnings every 30 s, so a warning due at a job's start reaches it up
+# to ~30 s later; the preempted job (same length) must still be training then.
 STEPS = 400
 COMMON = ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512", "--set", "train.log_interval=1"]
 COMMON += ["--set", "train.eval_interval=0", "--set", "data.num_workers=1", "--set", "parallel.timeout_minutes=1"]
