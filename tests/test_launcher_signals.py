@@ -97,3 +97,38 @@ def test_ranks_do_not_outlive_their_launcher(corpus, tmp_path):
     log = (tmp_path / "run.log").read_text()
     assert "is gone: saving and stopping" in log and "after SIGTERM (saved" in log, log[-3000:]
     assert list((run / "checkpoints").glob("step-*/meta.json"))
+
+
+WORKERS_STARTING = """
+import multiprocessing, os, signal, subprocess, sys
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from megaformer.data.stream import ignore_trainer_signals, start_workers
+
+class Numbers(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        return iter(range(info.id, 40, info.num_workers))
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("spawn")  # what a rank inherits from the launcher
+    got = []
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, lambda s, _: got.append(s))  # the rank's SignalWatch, reduced to a note
+    loader = DataLoader(Numbers(), batch_size=None, num_workers=2, worker_init_fn=ignore_trainer_signals)
+    items = start_workers(loader)
+    group = os.getpgid(0)  # the workers exist and are still importing torch; the sender is not their parent
+    sender = f"import os; os.killpg({group}, {int(signal.SIGUSR1)}); os.killpg({group}, {int(signal.SIGTERM)})"
+    subprocess.run([sys.executable, "-c", sender], check=True, start_new_session=True)
+    print(sorted(items) == list(range(40)), sorted(got) == [signal.SIGUSR1, signal.SIGTERM])
+"""
+
+
+def test_group_signals_while_workers_start_reach_only_the_rank(tmp_path):
+    """A USR1 or TERM to the process group in the seconds a spawned worker imports: the worker lives, the rank notes it."""
+    script = tmp_path / "workers_starting.py"
+    script.write_text(WORKERS_STARTING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, start_new_session=True
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["True", "True"], out.stdout + out.stderr[-3000:]

@@ -33,6 +33,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
@@ -184,6 +185,27 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
                 os._exit(0)
 
     threading.Thread(target=obey_parent_only, name="sigterm-from-parent", daemon=True).start()
+
+
+def start_workers(loader: DataLoader) -> Iterator:
+    """``iter(loader)`` with USR1 and TERM blocked while its workers start.
+
+    A rank's workers are spawned (the launcher's start method is inherited), and a spawned
+    process begins with the default actions, which for USR1 and TERM kill it, until
+    ``ignore_trainer_signals`` runs after its imports, seconds later. A blocked mask survives
+    fork and exec, so a worker started under it holds a group-wide signal until the
+    ``worker_init_fn`` ignores (USR1) or screens (TERM) it. The rank's own pending signals
+    arrive when the mask is restored. Python's resource tracker, if it starts here, inherits
+    the mask too, but unblocks TERM in this thread after it started, so the mask is set again.
+    """
+    screened = {signal.SIGUSR1, signal.SIGTERM}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, screened)
+    try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, screened)
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 class _RunReader(IterableDataset):
@@ -404,7 +426,7 @@ class TokenBatchStream:
         chunks = (
             iter(reader)
             if workers == 0
-            else iter(
+            else start_workers(
                 DataLoader(
                     reader,
                     batch_size=None,
