@@ -282,6 +282,21 @@ def test_sigterm_saves_without_requeue(corpus, tmp_path):
     assert not log.exists()
 
 
+def test_ranks_save_together_when_their_clocks_disagree(corpus, tmp_path):
+    """train.save_minutes read from each rank's clock: rank 1's runs 20x fast, and every save is still the world's.
+
+    A rank that decided alone to save entered the save's collectives while its peer entered
+    the next step's: the run hung until the process group timed out.
+    """
+    run = tmp_path / "run"
+    sets = [*common(corpus), "train.max_steps=30", "train.save_interval=0", "train.save_minutes=0.02"]
+    proc = train(run, 2, [*sets, "parallel.timeout_minutes=1"], fault="fast_clock:rank=1:step=20", timeout=300)
+    ok(proc)
+    saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*") if p.is_dir())
+    assert len(saved) >= 2 and saved[-1] == 30, saved  # rank 1's clock alone makes a save due every ~0.06 s
+    assert all((run / "checkpoints" / f"step-{s:08d}" / "meta.json").is_file() for s in saved)
+
+
 def test_requeue_refuses_without_progress(monkeypatch, tmp_path):
     from megaformer.train.signals import requeue
 

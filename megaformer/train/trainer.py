@@ -304,8 +304,9 @@ class Trainer:
         """One optimizer step: (the step's DP-summed loss, its DP target tokens, world-summed flags).
 
         An all-reduce before the step carries the token count and the flags (signals
-        received, time up), so that every rank stops at the same step; one after it
-        carries the loss and whether any rank saw a non-finite loss or gradient norm.
+        received, time up, a save due), so that every rank stops and saves at the same
+        step; one after it carries the loss and whether any rank saw a non-finite loss or
+        gradient norm.
         """
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
@@ -380,16 +381,18 @@ class Trainer:
         try:
             while self.engine.global_steps < t.max_steps:
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
+                # Each rank reads its own clock: a save is due when any rank's says so, decided
+                # with the step's flags so that every rank enters the save's collectives.
+                save_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
                 began = time.perf_counter()
-                loss_sum, tokens, (usr1, term, up) = self.step(
-                    [float(watch.received == REQUEUE), float(watch.received == TERMINATE), float(time_up)]
-                )
+                flags = [float(watch.received == REQUEUE), float(watch.received == TERMINATE), float(time_up)]
+                loss_sum, tokens, (usr1, term, up, due) = self.step(flags + [float(save_due)])
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
                 self.tokens += int(tokens)
                 window.add(loss_sum, tokens, seconds)
                 signal = TERMINATE if term else REQUEUE if usr1 else NONE
-                self._after_step(logger, window, signal, bool(up))
+                self._after_step(logger, window, signal, bool(up), bool(due))
                 if signal == REQUEUE:
                     step = self.engine.global_steps
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
@@ -410,15 +413,20 @@ class Trainer:
             logger.close()
         return 0
 
-    def _after_step(self, logger: MetricsLogger, window: _Window, signal: int, time_up: bool) -> None:
-        """Log, validate and save as scheduled (and on a signal or the time limit)."""
+    def _after_step(
+        self, logger: MetricsLogger, window: _Window, signal: int, time_up: bool, minutes_due: bool
+    ) -> None:
+        """Log, validate and save as scheduled (and on a signal or the time limit).
+
+        ``signal``, ``time_up`` and ``minutes_due`` (``train.save_minutes`` passed) are the
+        world's: every rank takes the same branch here.
+        """
         t, step = self.cfg.train, self.engine.global_steps
         if step % t.log_interval == 0 or step == t.max_steps:
             self._log(logger, window)
             window.reset()
         last = signal == NONE and (time_up or step == t.max_steps)  # validated before the last save
         best = bool(t.eval_interval) and (step % t.eval_interval == 0 or last) and self._validate(logger, step)
-        minutes_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
         scheduled = t.save_interval and step % t.save_interval == 0
         due = signal != NONE or time_up or step == t.max_steps or minutes_due or scheduled
         if due or best:

@@ -7,7 +7,9 @@ MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
 - ``usr1`` / ``term``: send SIGUSR1 / SIGTERM to this process after step N;
 - ``overflow``: make step N's loss infinite (fp16 overflow); in a pipeline, the gradients of
   rank R's stage only;
-- ``nan``: make step N's loss NaN (a diverged run, in any precision).
+- ``nan``: make step N's loss NaN (a diverged run, in any precision);
+- ``fast_clock``: the trainer's ``time.monotonic`` on rank R runs N times as fast (ranks'
+  clocks that disagree about when ``train.save_minutes`` has passed).
 
 Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
 """
@@ -31,8 +33,25 @@ def _mine(rank):
     return rank < 0 or int(os.environ.get("RANK", "0")) == rank
 
 
+class _FastClock:
+    """The ``time`` module with ``monotonic`` running ``factor`` times as fast."""
+
+    def __init__(self, real, factor):
+        self._real, self._factor = real, factor
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def monotonic(self):
+        return self._real.monotonic() * self._factor
+
+
 def _patch_trainer(module):
     what, rank, step = _parse(SPEC)
+    if what == "fast_clock":
+        if _mine(rank):
+            module.time = _FastClock(module.time, step)
+        return
     original = module.Trainer.step
 
     def step_with_fault(self, flags):
