@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -445,3 +446,11 @@ def test_inspect_notices_a_deleted_shard_without_verify(run, tmp_path):
     shard = sorted(data.rglob("*.tar"))[0]
     shard.unlink()
     assert_one_line_error(*run("inspect", data)[::2], f"{shard.name}: listed in")
+
+
+def test_train_gives_an_in_process_caller_its_signal_mask_back(run, tmp_path):
+    """`train` holds USR1/TERM from its first line; a caller in the same process (a failed start here) gets them back."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    code, _, err = run("train", "--config", TINY_CONFIG, "--set", f"data.path={tmp_path / 'nowhere'}")
+    assert code != 0 and "nowhere" in err, err
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before

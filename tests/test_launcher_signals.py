@@ -114,6 +114,7 @@ if __name__ == "__main__":
     got = []
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, lambda s, _: got.append(s))  # the rank's SignalWatch, reduced to a note
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGTERM})  # as the watch does
     loader = DataLoader(Numbers(), batch_size=None, num_workers=2, worker_init_fn=ignore_trainer_signals)
     items = start_workers(loader)
     group = os.getpgid(0)  # the workers exist and are still importing torch; the sender is not their parent

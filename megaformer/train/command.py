@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
@@ -73,12 +74,19 @@ def _check_data(cfg: Config) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from megaformer.train.signals import hold_signals
+
+    held = hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
+    try:
+        return _train(args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a caller in this process gets its mask back
+
+
+def _train(args: argparse.Namespace) -> int:
     from launcher.env import detect
     from launcher.local import free_port, spawn
     from megaformer.parallel import ParallelLayout, check_model_split
-    from megaformer.train.signals import hold_signals
-
-    hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
 
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)

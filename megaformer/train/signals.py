@@ -34,15 +34,15 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 HANDLED = {signal.SIGUSR1, signal.SIGTERM}
 
 
-def hold_signals() -> None:
-    """Block USR1 and TERM from start-up until :class:`SignalWatch` handles them.
+def hold_signals() -> set[signal.Signals]:
+    """Block USR1 and TERM from start-up until :class:`SignalWatch` handles them; returns the mask before.
 
     A warning that arrives while a rank is still importing or building its engine would
     otherwise kill it (USR1's default action). Blocked, it stays pending and reaches the
     handler the moment the watch starts: the rank trains a step, saves and requeues.
     The mask is inherited by processes started meanwhile (local ranks unblock in their watch).
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    return signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
 
 
 class SignalWatch:
