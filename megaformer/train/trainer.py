@@ -385,8 +385,8 @@ class Trainer:
                 # with the step's flags so that every rank enters the save's collectives.
                 save_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
                 began = time.perf_counter()
-                flags = [float(watch.received == REQUEUE), float(watch.received == TERMINATE), float(time_up)]
-                loss_sum, tokens, (usr1, term, up, due) = self.step(flags + [float(save_due)])
+                flags = [watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due]
+                loss_sum, tokens, (usr1, term, up, due) = self.step([float(f) for f in flags])
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
                 self.tokens += int(tokens)
