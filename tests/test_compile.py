@@ -86,6 +86,30 @@ def test_compiled_layers_equal_eager_layers_with_dropout_on(activation_checkpoin
         assert compiled.rng.state_dict() == eager.rng.state_dict()  # as many masks drawn
 
 
+def test_compiled_layers_keep_no_boolean_activation_masks_for_backward():
+    """Dropout and ReLU keep float masks: Inductor's CPU kernels store a boolean tensor ~15x slower.
+
+    The booleans saved for backward are the padding, causal and loss masks of positions
+    (at most batch x length or length x length elements), never an activation-sized mask.
+    """
+    _, compiled = _models(False)
+    batch, length = 3, 7
+    src, tgt_in, tgt_out = _batch(torch.Generator().manual_seed(0), batch, length)
+    saved_booleans = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.bool:
+            saved_booleans.append(tuple(t.shape))
+        return t
+
+    compiled.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        total, _ = compiled.loss(src, tgt_in, tgt_out, label_smoothing=0.1)
+    total.backward()
+    positions = max(batch * length, length * length)
+    assert saved_booleans and all(torch.Size(s).numel() <= positions for s in saved_booleans), saved_booleans
+
+
 def test_a_compiled_model_decodes_eagerly_as_before():
     eager, compiled = _models(False)
     generator = torch.Generator().manual_seed(1)

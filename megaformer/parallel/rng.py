@@ -206,6 +206,10 @@ class DropoutRNG:
         # Signed 16-bit values are uniform on [-2^15, 2^15): an element is kept when its
         # value reaches drop - 2^15, which has probability 1 - drop / 2^16.
         threshold = _drop_levels(p) - _LEVELS // 2
+        if torch.compiler.is_compiling():
+            # 1 + the sign bit of bits - threshold: the same 0/1 without a boolean tensor, which
+            # Inductor's CPU kernels store ~15x slower than a float one (the backward keeps the mask).
+            return ((bits - threshold) >> 63).add_(1).to(x.dtype)
         return torch.ge(bits, threshold).to(x.dtype)
 
     def dropout(self, x: torch.Tensor, p: float, training: bool, split_dim: int | None = None) -> torch.Tensor:
