@@ -86,6 +86,22 @@ def test_compiled_layers_equal_eager_layers_with_dropout_on(activation_checkpoin
         assert compiled.rng.state_dict() == eager.rng.state_dict()  # as many masks drawn
 
 
+def test_a_batch_or_length_of_one_runs_eagerly_without_recompiling():
+    """Dynamo specializes sizes 1: such a micro-batch takes the eager layers, with the same result."""
+    eager, compiled = _models(False)
+    generator = torch.Generator().manual_seed(1)
+    shapes = ((3, 7), (1, 9), (4, 1))
+    batches = [_batch(generator, batch, length) for batch, length in shapes]
+    for model in (eager, compiled):
+        model.train()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for src, tgt_in, tgt_out in batches:
+            if 1 in src.shape:
+                src.clamp_(min=4)  # no padding: _batch pads the first sentence, which may be all of it
+            totals = [model.loss(src, tgt_in, tgt_out, label_smoothing=0.1)[0] for model in (eager, compiled)]
+            assert torch.allclose(totals[1], totals[0], rtol=1e-5), (src.shape, totals)
+
+
 def test_compiled_layers_keep_no_boolean_activation_masks_for_backward():
     """Dropout and ReLU keep float masks: Inductor's CPU kernels store a boolean tensor ~15x slower.
 
