@@ -454,3 +454,17 @@ def test_train_gives_an_in_process_caller_its_signal_mask_back(run, tmp_path):
     code, _, err = run("train", "--config", TINY_CONFIG, "--set", f"data.path={tmp_path / 'nowhere'}")
     assert code != 0 and "nowhere" in err, err
     assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+
+
+def test_compile_without_a_cpp_compiler_is_refused_in_one_line(run, tmp_path, monkeypatch):
+    """Inductor builds CPU kernels with g++ (or $CXX): without one, train.compile says so before any step."""
+    from torch._inductor import config as inductor_config
+
+    missing = str(tmp_path / "no-such-c++")
+    monkeypatch.setenv("CXX", missing)  # what a rank process started now reads
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, missing))  # this process read $CXX at import
+    code, _, err = run("prepare", "--synthetic", "40", "--out", tmp_path / "data")
+    assert code == 0, err
+    argv = ("train", "--config", TINY_CONFIG, "--set", f"data.path={tmp_path / 'data'}", "--set", "train.compile=true")
+    code, _, err = run(*argv, "--run-dir", tmp_path / "run", "--set", "train.max_steps=1")
+    assert_one_line_error(code, err, "train.compile: no C++ compiler")

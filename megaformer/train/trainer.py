@@ -152,6 +152,8 @@ class Trainer:
             part=self.stages[ctx.pp_rank],
         ).to(ctx.device)
         if t.compile:
+            if ctx.device.type == "cpu":
+                _require_cpp_compiler()
             self.model.compile_layers()
             self.log("train: train.compile: the encoder and decoder layers run compiled (the first steps compile them)")
         streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
@@ -486,3 +488,16 @@ class _Window:
         self.loss += loss
         self.tokens += tokens
         self.seconds += seconds
+
+
+def _require_cpp_compiler() -> None:
+    """Inductor builds its CPU kernels with a C++ compiler; without one the first step would fail."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # Inductor raises its own error type, whose name differs between versions
+        raise ConfigError(
+            "train.compile: no C++ compiler for Inductor's CPU kernels (g++, or $CXX): "
+            "install one or set train.compile=false"
+        ) from exc
