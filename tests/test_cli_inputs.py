@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import signal
 from pathlib import Path
@@ -457,14 +458,20 @@ def test_train_gives_an_in_process_caller_its_signal_mask_back(run, tmp_path):
 
 
 def test_compile_without_a_cpp_compiler_is_refused_in_one_line(run, tmp_path, monkeypatch):
-    """Inductor builds CPU kernels with g++ (or $CXX): without one, train.compile says so before any step."""
+    """Inductor builds CPU kernels with g++ (or $CXX): without one, train.compile says so before any step.
+
+    The run fails after the one-process launch exported RANK, WORLD_SIZE, ...: the caller's
+    environment is given back, or a later command in this process would take them as its launch.
+    """
     from torch._inductor import config as inductor_config
 
     missing = str(tmp_path / "no-such-c++")
     monkeypatch.setenv("CXX", missing)  # what a rank process started now reads
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, missing))  # this process read $CXX at import
     code, _, err = run("prepare", "--synthetic", "40", "--out", tmp_path / "data")
     assert code == 0, err
+    launch = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     argv = ("train", "--config", TINY_CONFIG, "--set", f"data.path={tmp_path / 'data'}", "--set", "train.compile=true")
-    code, _, err = run(*argv, "--run-dir", tmp_path / "run", "--set", "train.max_steps=1")
+    with inductor_config.patch({"cpp.cxx": (None, missing)}):  # this process read $CXX at import
+        code, _, err = run(*argv, "--run-dir", tmp_path / "run", "--set", "train.max_steps=1")
     assert_one_line_error(code, err, "train.compile: no C++ compiler")
+    assert {name: os.environ.get(name) for name in launch} == launch

@@ -73,14 +73,25 @@ def _check_data(cfg: Config) -> None:
     read_manifest(manifest_path(cfg.data.path))
 
 
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def main(args: argparse.Namespace) -> int:
     from megaformer.train.signals import hold_signals
 
     held = hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
+    launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     try:
         return _train(args)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a caller in this process gets its mask back
+        # A caller in this process gets its mask and environment back (a one-process run exports
+        # RANK, WORLD_SIZE, ... for env://, which a later command in the process would take as its launch).
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for name, value in launch_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _train(args: argparse.Namespace) -> int:
