@@ -139,7 +139,9 @@ class Transformer(nn.Module):
         if not self.training:
             return layer(*args)
         forward = self._compiled.get(layer, layer)
-        if any(a.dim() == 3 and 1 in a.shape[:2] for a in args):
+        if forward is not layer and any(
+            isinstance(a, torch.Tensor) and a.dim() == 3 and 1 in a.shape[:2] for a in args
+        ):
             # A batch or a length of 1 (an odd last micro-batch) breaks the compiled graph's
             # guards (Dynamo specializes sizes 0 and 1) and would compile the layer again,
             # ~20 s; the eager layer computes the same.
