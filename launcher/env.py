@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from megaformer.errors import ConfigError
 
+LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what RankInfo.export sets
+
 
 @dataclass(frozen=True)
 class RankInfo:

@@ -465,11 +465,13 @@ def test_compile_without_a_cpp_compiler_is_refused_in_one_line(run, tmp_path, mo
     """
     from torch._inductor import config as inductor_config
 
+    from launcher.env import LAUNCH_VARIABLES
+
     missing = str(tmp_path / "no-such-c++")
     monkeypatch.setenv("CXX", missing)  # what a rank process started now reads
     code, _, err = run("prepare", "--synthetic", "40", "--out", tmp_path / "data")
     assert code == 0, err
-    launch = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    launch = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     argv = ("train", "--config", TINY_CONFIG, "--set", f"data.path={tmp_path / 'data'}", "--set", "train.compile=true")
     with inductor_config.patch({"cpp.cxx": (None, missing)}):  # this process read $CXX at import
         code, _, err = run(*argv, "--run-dir", tmp_path / "run", "--set", "train.max_steps=1")

@@ -73,14 +73,12 @@ def _check_data(cfg: Config) -> None:
     read_manifest(manifest_path(cfg.data.path))
 
 
-_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 def main(args: argparse.Namespace) -> int:
+    from launcher.env import LAUNCH_VARIABLES
     from megaformer.train.signals import hold_signals
 
     held = hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
-    launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    launch_env = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     try:
         return _train(args)
     finally:
