@@ -22,7 +22,7 @@ M30K_PRECISION ?= $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo
 # Dropout for the steps the run will reach: 0.25 overfits less from ~3,600 steps on, 0.15 learns faster
 # below that. Two cores reach ~125 steps a minute in bf16 (AMX) and ~45 in fp32 (AVX2), so a 60-minute
 # fp32 run (2,533 measured) takes 0.15, as a 15-minute bf16 one (~2,000 steps) does.
-M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * ("$(M30K_PRECISION)" == "bf16" ? 125 : 47) }')
+M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * ("$(M30K_PRECISION)" == "bf16" ? 125 : 45) }')
 M30K_DROPOUT := $(shell awk 'BEGIN { print ($(M30K_STEPS) < 3600) ? 0.15 : 0.25 }')
 
 .PHONY: install lint test demo multi30k clean
