@@ -198,3 +198,21 @@ def _worker(tp_size: int) -> int:
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_parallel_layers_match_torch(tp):
     assert spawn(_worker, tp, tp) == 0
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_fp64_loss_is_computed_in_fp64(smoothing):
+    """fp64 logits keep fp64 through the loss and its gradient (fp64 parity checks rely on it)."""
+    from megaformer.parallel import LOCAL
+
+    vocab, n = 50, 20
+    logits = (torch.randn(n, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3).requires_grad_()
+    target = torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(4))
+    ref_logits = logits.detach()[:, :vocab].clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits, target, label_smoothing=smoothing, reduction="sum")
+    loss = vocab_parallel_cross_entropy(logits, target, LOCAL, vocab, smoothing).sum()
+    loss.backward()
+    ref.backward()
+    assert loss.dtype == logits.grad.dtype == torch.float64
+    assert abs(loss.item() - ref.item()) <= 1e-12 * abs(ref.item())
+    assert (logits.grad[:, :vocab] - ref_logits.grad).abs().max().item() <= 1e-14

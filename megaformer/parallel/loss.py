@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp.rank * local
         real_cols = max(0, min(local, vocab_size - start))  # this rank's real vocabulary rows, a prefix
         saved.dtype = logits.dtype
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up, fp64 kept
         z = logits[:, :real_cols]  # (N, real_cols) view
 
         if real_cols > 0:
@@ -76,7 +76,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             torch.addcmul(g * (-eps / saved.vocab_size), real, g, out=real)
         else:
             real.mul_(g)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -(1.0 - eps) * in_range.unsqueeze(-1) * g)
+        # g first: a python float times a bool tensor would be fp32, rounding (1 - eps) for fp64 logits
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), g * in_range.unsqueeze(-1) * -(1.0 - eps))
         return grad.to(saved.dtype), None, None, None, None, None
 
 
@@ -90,7 +91,8 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Per-token loss (0 where ``target == ignore_index``) from this rank's slice of the logits.
 
-    ``logits``: (N, V_padded / tp), any float dtype (computed in fp32); ``target``: (N,)
-    ids of the real vocabulary; ``vocab_size``: V, the real (unpadded) size.
+    ``logits``: (N, V_padded / tp), any float dtype (bf16 and fp16 computed in fp32,
+    fp64 in fp64); ``target``: (N,) ids of the real vocabulary; ``vocab_size``: V, the
+    real (unpadded) size.
     """
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, label_smoothing, ignore_index)
