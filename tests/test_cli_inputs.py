@@ -99,6 +99,7 @@ NON_FINITE = [
     (("parity", "--config", "{tiny}", "--tp", "2", "--tolerance", "nan"), "argument --tolerance"),
     (("prepare", "--synthetic", "10", "--out", "{missing}", "--character-coverage", "nan"), "--character-coverage"),
     (("prepare", "--synthetic", "10", "--out", "{missing}", "--max-ratio", "inf"), "argument --max-ratio"),
+    (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-dropout", "nan"), "argument --bpe-dropout"),
     (("train", "--config", "{tiny}", "--set", "train.lr_scale=nan"), "train.lr_scale=nan: must be a finite number"),
     (("train", "--config", "{tiny}", "--set", "train.max_minutes=inf"), "train.max_minutes=inf"),
     (("train", "--config", "{nan_yaml}"), "train.lr_scale=nan"),
@@ -118,6 +119,10 @@ DOMAIN = [
     (("reshard", "--ckpt", "{dir}", "--out", "{missing}", "--tp", "-2"), "argument --tp: must be at least 1"),
     (("reshard", "--ckpt", "{dir}", "--out", "{missing}", "--tp", "0"), "argument --tp: must be at least 1"),
     (("train", "--config", "{tiny}", "--nproc", "-1"), "argument --nproc: must be at least 0"),
+    (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-dropout", "1"), "argument --bpe-dropout"),
+    (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-dropout", "-0.1"), "argument --bpe-dropout"),
+    (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-copies", "0"), "argument --bpe-copies"),
+    (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-copies", "2"), "without --bpe-dropout"),
     (
         ("train", "--config", "{tiny}", "--set", "train.max_steps=true"),
         "train.max_steps: expected int, got the boolean",

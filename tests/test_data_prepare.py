@@ -116,6 +116,39 @@ def test_same_input_gives_byte_identical_output(
     assert second["test-000000.tar"] == first["test-000000.tar"]  # test keeps line order
 
 
+def test_bpe_dropout_stores_sampled_segmentations_of_every_kept_pair(
+    capsys: pytest.CaptureFixture, corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    from megaformer.data.shards import read_shard
+    from megaformer.data.tokenizer import Tokenizer
+
+    plain, sampled = tmp_path / "plain", tmp_path / "sampled"
+    assert prepare(capsys, corpus, plain)[0] == 0
+    code, _, err = prepare(capsys, corpus, sampled, "--bpe-dropout", "0.1", "--bpe-copies", "3")
+    assert code == 0, err
+    first = tree_digest(sampled)
+    assert prepare(capsys, corpus, sampled, "--force", "--bpe-dropout", "0.1", "--bpe-copies", "3")[0] == 0
+    assert tree_digest(sampled) == first  # seeded: the same samples again
+    base, entry = (json.loads((d / "manifest.json").read_text())["splits"] for d in (plain, sampled))
+    assert entry["train"]["kept"] == base["train"]["kept"] == 1500
+    assert entry["train"]["samples"] == 3 * 1500 and entry["train"]["bpe_dropout"] == {"p": 0.1, "copies": 3}
+    assert "bpe_dropout" not in base["train"]
+    assert entry["train"]["src_tokens"] > 3 * base["train"]["src_tokens"]  # skipped merges: more, smaller pieces
+    assert tree_digest(sampled)["test-000000.tar"] == tree_digest(plain)["test-000000.tar"]  # plain at test time
+
+    def texts(root: Path) -> dict[tuple[str, str], set[tuple[int, ...]]]:
+        tok = Tokenizer(root / "spm.model")
+        found: dict[tuple[str, str], set[tuple[int, ...]]] = {}
+        for shard in json.loads((root / "manifest.json").read_text())["splits"]["train"]["shards"]:
+            for _, s, t in read_shard(str(root / shard["file"])):
+                found.setdefault((tok.decode(s), tok.decode(t)), set()).add(tuple(s))
+        return found
+
+    plain_pairs, sampled_pairs = texts(plain), texts(sampled)
+    assert sampled_pairs.keys() == plain_pairs.keys()  # every pair, and nothing else, in other pieces
+    assert sum(len(v) > 1 for v in sampled_pairs.values()) > 100  # copies differ
+
+
 def test_filters_count_every_reject_and_keep_every_test_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     train_src = ["a house", "a house", "", "ok \xff", "long " * 40, "x", "fine  day\r", "Ｆｕｌｌ width"]
     train_tgt = ["ein haus", "ein haus", "leer", "gut", "lang", "y " * 15, "schöner tag", "volle breite"]

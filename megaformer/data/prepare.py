@@ -10,6 +10,11 @@ both sides (or reuse ``--spm``); encode; write training pairs in a seeded random
 (so that every shard is a uniform sample) and valid/test pairs in line order; write the
 manifest last (format: :mod:`megaformer.data.shards`).
 
+``--bpe-dropout P --bpe-copies K`` stores K BPE-dropout segmentations of every kept
+training pair instead of its one plain segmentation (subword regularisation done once,
+when the data is prepared, so streaming stays a read of token ids): the length filters
+judge the plain segmentation, and a sampled one that breaks them is replaced by it.
+
 The output is built in ``DIR.tmp-XXXX`` next to ``DIR`` and renamed into place at the
 end: an interrupted run leaves no ``DIR`` (and never one with a manifest). An existing
 non-empty ``DIR`` is replaced only with ``--force``. The same inputs and ``--seed`` give
@@ -119,6 +124,21 @@ def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig)
         default=1.0,
         metavar="F",
         help="sentencepiece character coverage (default: %(default)s)",
+    )
+    tok.add_argument(
+        "--bpe-dropout",
+        type=finite_float(0.0, 1.0, hi_open=True),
+        default=0.0,
+        metavar="P",
+        help="segment the training pairs with BPE-dropout P (each merge skipped with probability P; "
+        "valid and test keep the plain segmentation), 0 = off (default: %(default)s)",
+    )
+    tok.add_argument(
+        "--bpe-copies",
+        type=int_range(1, 1000),
+        default=1,
+        metavar="K",
+        help="with --bpe-dropout: store K sampled segmentations of every training pair (default: %(default)s)",
     )
 
 
@@ -325,18 +345,34 @@ class Preparation:
         dtype = token_dtype(tokenizer.vocab_size)
         encoded = EncodedPairs(dtype)
         counts.kept = 0  # recounted after the length filters
-        for chunk in _chunks(_read_clean(clean_src, clean_tgt), _ENCODE_CHUNK):
+        dropout, copies = self.args.bpe_dropout, self.args.bpe_copies
+        for index, chunk in enumerate(_chunks(_read_clean(clean_src, clean_tgt), _ENCODE_CHUNK)):
             src_ids = tokenizer.encode([s for s, _ in chunk])
             tgt_ids = tokenizer.encode([t for _, t in chunk])
-            kept = []
-            for s, t in zip(src_ids, tgt_ids):
+            kept, text = [], []
+            for pair, s, t in zip(chunk, src_ids, tgt_ids):
                 reason = length_reject(len(s), len(t), self.filters)
                 if reason:
                     counts.reject(reason)
                 else:
                     kept.append((s, t))
-            encoded.add(kept)
-        counts.kept = len(encoded)
+                    text.append(pair)
+            counts.kept += len(kept)
+            if dropout == 0:
+                encoded.add(kept)
+                continue
+            for copy in range(copies):
+                seeds = np.random.SeedSequence([self.args.seed, index, copy]).generate_state(2)
+                sampled = zip(
+                    tokenizer.encode_sampled([s for s, _ in text], dropout, int(seeds[0])),
+                    tokenizer.encode_sampled([t for _, t in text], dropout, int(seeds[1])),
+                )
+                encoded.add(
+                    [
+                        (s, t) if not length_reject(len(s), len(t), self.filters) else plain
+                        for (s, t), plain in zip(sampled, kept)
+                    ]
+                )
         if counts.kept == 0:
             raise DataError(
                 f"no training pair is left after the length filters (--max-len {self.filters.max_len}, "
@@ -349,6 +385,7 @@ class Preparation:
         self.splits["train"] = {
             "filtered": True,
             "order": "shuffled",
+            **({"bpe_dropout": {"p": dropout, "copies": copies}} if dropout > 0 else {}),
             **counts.to_json(),
             "sources": sources,
             **writer.close(),
@@ -427,6 +464,11 @@ def main(args: argparse.Namespace) -> int:
         args.vocab_size = SYNTHETIC_VOCAB if args.synthetic is not None else DataConfig().vocab_size
     if args.vocab_size < 8:
         raise DataError(f"--vocab-size must be at least 8, got {args.vocab_size}")
+    if args.bpe_copies > 1 and args.bpe_dropout == 0:
+        raise DataError(
+            f"--bpe-copies {args.bpe_copies} without --bpe-dropout would store one segmentation "
+            f"{args.bpe_copies} times: give --bpe-dropout P (0.1 is the usual value) or leave --bpe-copies out"
+        )
     out = Path(args.out).absolute()
     _check_out(out, args.force)
     _check_inputs_outside(out, args)

@@ -119,6 +119,15 @@ class Tokenizer:
         """Token ids of each text, without bos/eos (the stream adds them)."""
         return self.processor.encode(texts)
 
+    def encode_sampled(self, texts: list[str], dropout: float, seed: int) -> list[list[int]]:
+        """One BPE-dropout segmentation of each text (Provilkov et al., 2020): every merge is
+        skipped with probability ``dropout``, so a word may come out in smaller pieces of the
+        same vocabulary. The same ``seed`` gives the same segmentations: a batch call starts
+        sentencepiece's sampler afresh from its global seed, so each call needs its own.
+        """
+        spm.set_random_generator_seed(seed)
+        return self.processor.encode(texts, enable_sampling=True, alpha=dropout, nbest_size=-1, num_threads=1)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Detokenized text of ids; pad, bos and eos are dropped, decoding stops at the first eos."""
         ids = list(ids)
