@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from megaformer import cli
@@ -147,6 +148,21 @@ def test_bpe_dropout_stores_sampled_segmentations_of_every_kept_pair(
     plain_pairs, sampled_pairs = texts(plain), texts(sampled)
     assert sampled_pairs.keys() == plain_pairs.keys()  # every pair, and nothing else, in other pieces
     assert sum(len(v) > 1 for v in sampled_pairs.values()) > 100  # copies differ
+
+
+def test_bpe_dropout_keeps_what_the_length_filter_kept_and_nothing_longer(
+    capsys: pytest.CaptureFixture, corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """--max-len judges the plain segmentation; a longer sampled one falls back to it."""
+    limit = ("--max-len", "12")
+    plain, sampled = tmp_path / "plain", tmp_path / "sampled"
+    assert prepare(capsys, corpus, plain, *limit)[0] == 0
+    assert prepare(capsys, corpus, sampled, *limit, "--bpe-dropout", "0.3", "--bpe-copies", "2")[0] == 0
+    base, entry = (json.loads((d / "manifest.json").read_text())["splits"]["train"] for d in (plain, sampled))
+    assert 0 < base["rejected"]["too_long"] == entry["rejected"]["too_long"]  # the filter is active, judged once
+    assert entry["kept"] == base["kept"] and entry["samples"] == 2 * base["kept"]
+    lengths = np.load(sampled / entry["lengths"]["file"])
+    assert lengths.max() == 12  # sampled segmentations reach the limit, none passes it
 
 
 def test_filters_count_every_reject_and_keep_every_test_line(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
