@@ -122,6 +122,10 @@ DOMAIN = [
     (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-dropout", "1"), "argument --bpe-dropout"),
     (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-dropout", "-0.1"), "argument --bpe-dropout"),
     (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-copies", "0"), "argument --bpe-copies"),
+    (
+        ("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-copies", "two"),
+        "--bpe-copies: expected an integer",
+    ),
     (("prepare", "--synthetic", "10", "--out", "{missing}", "--bpe-copies", "2"), "without --bpe-dropout"),
     (
         ("train", "--config", "{tiny}", "--set", "train.max_steps=true"),
