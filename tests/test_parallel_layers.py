@@ -216,3 +216,25 @@ def test_fp64_loss_is_computed_in_fp64(smoothing):
     assert loss.dtype == logits.grad.dtype == torch.float64
     assert abs(loss.item() - ref.item()) <= 1e-12 * abs(ref.item())
     assert (logits.grad[:, :vocab] - ref_logits.grad).abs().max().item() <= 1e-14
+
+
+@pytest.mark.parametrize("dtype, spread", [(torch.float32, 60.0), (torch.float64, 600.0)])
+def test_loss_of_logits_whose_probabilities_underflow(dtype, spread):
+    """Most of the vocabulary below the dtype's smallest normal probability: loss and gradient as F.cross_entropy's."""
+    from megaformer.parallel import LOCAL
+
+    vocab, n = 1000, 32
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(n, vocab, generator=g, dtype=torch.float64) * spread).to(dtype).requires_grad_()
+    target = torch.randint(1, vocab, (n,), generator=g)
+    tiny = torch.finfo(dtype).tiny
+    shifted = logits.detach().double() - logits.detach().double().amax(-1, keepdim=True)
+    assert (shifted.exp() < tiny).double().mean() > 0.5  # the case: most probabilities would be subnormal or 0
+    ref_logits = logits.detach().double().requires_grad_()  # the reference computes in fp64 throughout
+    ref = F.cross_entropy(ref_logits, target, label_smoothing=0.1, reduction="sum")
+    ref.backward()
+    loss = vocab_parallel_cross_entropy(logits, target, LOCAL, vocab, 0.1).sum()
+    loss.backward()
+    rel = 1e-6 if dtype == torch.float32 else 1e-12
+    assert abs(loss.item() - ref.item()) <= rel * abs(ref.item())
+    assert (logits.grad.double() - ref_logits.grad).abs().max().item() <= rel

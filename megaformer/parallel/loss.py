@@ -10,9 +10,19 @@ which equals ``F.cross_entropy(z, t, label_smoothing=eps)`` on the gathered logi
 Padded vocabulary rows (index >= V) never get probability. Two all-reduces in
 forward: the max, then (S, z_t, sum z) stacked into one tensor. The gradient is
 softmax(z) - (1 - eps) onehot(t) - eps / V, computed from the saved softmax.
+
+``exp(z - m)`` is taken of ``max(z - m, log(tiny) + 1)``, ``tiny`` the smallest normal
+number of the dtype (1.2e-38 in fp32): the CPU's vectorised ``exp`` takes a slow path,
+~20 ns an element, for every result that would be subnormal or zero, and a trained
+model's logits put most of the vocabulary there (15x slower on a 1,400 x 8,064 slice
+with 80 % of it below e^-87: 238 ms against 16 ms, one thread). Such a probability is
+then 3.2e-38 instead of less: a change of at most V x 3.2e-38 in S >= 1, below fp32's
+resolution, and of the same size in the gradient.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -46,7 +56,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_t = (target - start).masked_fill(~in_range, 0)
         z_t = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
         sum_z = z.sum(-1) if smoothing > 0 else torch.zeros_like(m)  # of the raw logits; m is subtracted below
-        exp = torch.sub(logits, m.unsqueeze(-1)).exp_()  # (N, V/p): becomes the softmax, then the gradient
+        floor = math.log(torch.finfo(logits.dtype).tiny) + 1.0  # exp(floor) is a normal number: the fast path
+        exp = torch.sub(logits, m.unsqueeze(-1)).clamp_min_(floor).exp_()  # (N, V/p): the softmax, then the gradient
         exp[:, real_cols:] = 0.0  # padded rows never get probability
         stats = torch.stack([exp.sum(-1), z_t, sum_z])  # (3, N)
         if tp.size > 1:
