@@ -29,6 +29,11 @@ vocabulary padding rows), so the fractions compare like the throughputs do.
 weights and batch, in the same alternation; its compilation happens in the warm-up
 steps and is reported apart.
 
+Both models run in one process with the CPU memory set-up of ``megaformer train``:
+tensors of 2 MiB or more in transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``, set
+before torch is imported, :func:`megaformer.cli.host_memory_defaults`);
+``THP_MEM_ALLOC_ENABLE=0 python benchmarks/throughput.py`` runs both without.
+
 ``--dtype bf16`` runs both models under ``torch.autocast("cpu", torch.bfloat16)``
 with fp32 weights and optimizer state (matmuls in bf16, losses in fp32), and
 compares them with the bf16 matmul peak.
@@ -39,19 +44,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from megaformer.cli import host_memory_defaults
 
-from megaformer.config import ModelConfig
-from megaformer.model import Transformer, sinusoidal_positions
-from megaformer.parallel import LOCAL, DropoutRNG
+host_memory_defaults()  # torch reads it at its first allocation
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from megaformer.config import ModelConfig  # noqa: E402
+from megaformer.model import Transformer, sinusoidal_positions  # noqa: E402
+from megaformer.parallel import LOCAL, DropoutRNG  # noqa: E402
 
 D_MODEL, HEADS, D_FF, LAYERS = 512, 8, 2048, 6
 VOCAB, DROPOUT, LABEL_SMOOTHING = 8000, 0.1, 0.1
@@ -157,7 +167,8 @@ def run(
     parameters = paper_parameters(mega)
     log(
         f"parameters {parameters / 1e6:.1f}M (reference {sum(p.numel() for p in ref.parameters()) / 1e6:.1f}M), "
-        f"{target_tokens} target tokens a step, dtype {dtype}, {torch.get_num_threads()} threads"
+        f"{target_tokens} target tokens a step, dtype {dtype}, {torch.get_num_threads()} threads, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}"
     )
 
     peak_samples = matmul_gflops(DTYPES[dtype])
@@ -205,6 +216,7 @@ def run(
     result["optimizer"] = "AdamW(fused=True), both models"
     result["reference_dropout"] = reference_dropout
     result["threads"] = torch.get_num_threads()
+    result["thp_mem_alloc"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
     result["torch"] = torch.__version__
     return result
 

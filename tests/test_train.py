@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megaformer.train.device import THP_MODE
+
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -56,6 +58,7 @@ def train(
         **(extra_env or {}),
     }
     env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    env = {name: value for name, value in env.items() if value is not None}  # extra_env None: unset
     args = [
         sys.executable,
         "-m",
@@ -335,6 +338,17 @@ def test_bf16_trains(corpus, tmp_path):
         )
     )
     assert falling(losses(run))
+
+
+@pytest.mark.skipif("[never]" in (THP_MODE.read_text() if THP_MODE.exists() else "[never]"), reason="THP off")
+def test_cpu_ranks_put_large_tensors_in_huge_pages_unless_told_not_to(corpus, tmp_path):
+    steps = common(corpus) + ["train.max_steps=2", "train.save_interval=0"]
+    default = train(tmp_path / "default", 1, steps, extra_env={"THP_MEM_ALLOC_ENABLE": None})
+    ok(default)
+    assert "train: CPU tensors of 2 MiB or more in transparent huge pages (THP_MEM_ALLOC_ENABLE=1" in default.stdout
+    off = train(tmp_path / "off", 1, steps, extra_env={"THP_MEM_ALLOC_ENABLE": "0"})
+    ok(off)
+    assert "train: CPU tensors in 4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)" in off.stdout
 
 
 def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):

@@ -6,11 +6,20 @@ rate that way, and DeepSpeed, Megatron and fairseq train fp32 models so. Without
 fp32 run on an H200 computes at 67 TFLOP/s instead of 494. The loss of mantissa bits in
 the inputs is the price; ``--set train.precision=...`` does not change it, bf16/fp16 runs
 are unaffected (their matmuls are already in 16 bits). On a CPU nothing is changed.
+
+On a CPU the large tensors go into transparent huge pages when the process started with
+``THP_MEM_ALLOC_ENABLE=1`` (the CLI's default, :func:`megaformer.cli.host_memory_defaults`);
+:func:`host_memory` says which pages a CPU run's tensors get, for the log.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def configure_math(device: torch.device, precision: str) -> str:
@@ -21,3 +30,18 @@ def configure_math(device: torch.device, precision: str) -> str:
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls
         return "fp32 training with TF32 matmuls (torch.set_float32_matmul_precision('high'))"
     return f"{precision} matmuls on {torch.cuda.get_device_name(device)}"
+
+
+def host_memory(device: torch.device, thp_mode: Path = THP_MODE) -> str | None:
+    """Which pages a CPU run's tensors of 2 MiB or more get, for the log (None on a GPU)."""
+    if device.type != "cpu":
+        return None
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch reads "1" as on, "0" as off, warns on others
+        return "CPU tensors in 4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"
+    try:
+        mode = next(word[1:-1] for word in thp_mode.read_text().split() if word.startswith("["))
+    except (OSError, StopIteration):
+        mode = "unknown"
+    if mode == "never":
+        return "CPU tensors in 4 KiB pages: THP_MEM_ALLOC_ENABLE=1 but the kernel's transparent huge pages are off"
+    return f"CPU tensors of 2 MiB or more in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: {mode})"

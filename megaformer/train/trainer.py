@@ -44,7 +44,7 @@ from megaformer.pipeline.split import plan_stages
 from megaformer.pipeline.stage import StageBatch
 from megaformer.train import checkpoint as ckpt
 from megaformer.train.batching import plan_step
-from megaformer.train.device import configure_math
+from megaformer.train.device import configure_math, host_memory
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, MicroBatch, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
@@ -138,6 +138,8 @@ class Trainer:
 
         t = cfg.train
         self.log(f"train: {configure_math(ctx.device, t.precision)}")
+        if (pages := host_memory(ctx.device)) is not None:
+            self.log(f"train: {pages}")
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
         self.stages = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)
         self.model = Transformer(

@@ -1,0 +1,67 @@
+"""Large CPU tensors in transparent huge pages: the CLI's default, what it saves, and what the log says."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megaformer.cli import host_memory_defaults
+from megaformer.train.device import THP_MODE, host_memory
+
+# Allocates and frees a 64 MiB tensor five times and prints the page faults per allocation.
+_FAULTS = """
+import resource, torch
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.ones(16 << 20)
+before = faults()
+for _ in range(5):
+    torch.ones(16 << 20)
+print((faults() - before) / 5)
+"""
+
+
+def _faults_per_allocation(thp: str) -> float:
+    env = {"PATH": "/usr/bin:/bin", "THP_MEM_ALLOC_ENABLE": thp}
+    return float(
+        subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, check=True, env=env).stdout
+    )
+
+
+@pytest.mark.skipif("[never]" in (THP_MODE.read_text() if THP_MODE.exists() else "[never]"), reason="THP off")
+def test_huge_pages_fault_a_freed_and_reallocated_tensor_in_far_fewer_times():
+    pages = (64 << 20) // 4096
+    small, huge = _faults_per_allocation("0"), _faults_per_allocation("1")
+    assert small > 0.9 * pages  # glibc maps every 64 MiB allocation anew: each 4 KiB page faults again
+    assert huge < 0.1 * pages, (small, huge)  # 2 MiB pages: 512 times fewer, where the kernel has them
+
+
+def test_the_cli_default_leaves_the_users_setting_alone():
+    env: dict[str, str] = {}
+    host_memory_defaults(env)
+    assert env == {"THP_MEM_ALLOC_ENABLE": "1"}
+    env = {"THP_MEM_ALLOC_ENABLE": "0"}
+    host_memory_defaults(env)
+    assert env == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+@pytest.mark.parametrize(
+    "variable, kernel, said",
+    [
+        ("1", "always [madvise] never", "in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: madvise)"),
+        ("1", "always madvise [never]", "4 KiB pages: THP_MEM_ALLOC_ENABLE=1 but the kernel's transparent huge"),
+        ("0", "[always] madvise never", "4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"),
+        (None, "[always] madvise never", "4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"),
+        ("1", None, "in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: unknown)"),
+    ],
+)
+def test_the_log_says_which_pages_cpu_tensors_get(monkeypatch, tmp_path, variable, kernel, said):
+    if variable is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", variable)
+    mode = tmp_path / "enabled"
+    if kernel is not None:
+        mode.write_text(kernel + "\n")
+    assert said in host_memory(torch.device("cpu"), mode)
+    assert host_memory(torch.device("cuda", 0), mode) is None
