@@ -95,7 +95,7 @@ def report_failures(reports: list[tuple[float, int, str, str]], codes: list[int 
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
-    """Run ``fn(*args)`` in ``world_size`` fresh processes; return the worst exit status.
+    """Run ``fn(*args)`` in ``world_size`` fresh processes; return the first failing rank's exit status.
 
     ``fn`` must be importable (a module-level function). Torch threads are divided
     among the ranks so that N processes do not oversubscribe the cores. With
@@ -154,4 +154,20 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     report_failures(reports, codes, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:
         worst = max((abs(c) for c in codes if c), default=0)
+    elif worst != 124:
+        worst = first_failure_status(reports, codes, worst)
     return worst
+
+
+def first_failure_status(reports: list[tuple[float, int, str, str]], codes: list[int | None], polled: int) -> int:
+    """The exit status of the rank whose report came first (the one named on the last line).
+
+    ``polled`` is the status the wait loop saw first. Ranks that exit within one poll of
+    each other (the failing rank, then its peers losing their connection) are seen
+    together, in rank order, so that status can be a peer's.
+    """
+    if reports:
+        first = min(reports)[1]
+        if codes[first]:
+            return codes[first]
+    return polled

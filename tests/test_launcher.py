@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from launcher.env import detect, expand_nodelist, parse_hostlist
-from launcher.local import spawn
+from launcher.local import first_failure_status, spawn
 from megaformer.errors import ConfigError
 from megaformer.parallel.groups import check_tp_within_nodes, describe_nodes
 from megaformer.parallel.layout import ParallelLayout
@@ -126,6 +126,14 @@ def test_first_failing_rank_is_the_last_line(capfd):
     assert code == 2
     assert lines[-1] == "rank 1 failed first: error: rank-specific bad input: set x.y to 3", err[-2000:]
     assert "Traceback" not in err  # the peers' connection errors are one line each
+
+
+def test_exit_status_is_the_first_reporters_when_peers_exit_in_the_same_poll():
+    """Rank 1 failed first (status 2); rank 0 lost its peer (1) and exited within the same poll."""
+    reports = [(10.2, 0, "RuntimeError: Connection closed by peer", "..."), (10.0, 1, "error: bad", "error: bad")]
+    assert first_failure_status(reports, [1, 2, 1], polled=1) == 2
+    assert first_failure_status([], [1, 2, 1], polled=1) == 1  # no report: what the loop saw
+    assert first_failure_status(reports[:1], [1, None, 1], polled=1) == 1
 
 
 def _local_rank_of(out: str) -> int:
