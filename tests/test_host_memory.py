@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megaformer.cli import host_memory_defaults
-from megaformer.train.device import THP_MODE, host_memory
+from megaformer.train.device import host_memory, kernel_thp_mode
 
 # Allocates and frees a 64 MiB tensor five times and prints the page faults per allocation.
 _FAULTS = """
@@ -28,7 +28,7 @@ def _faults_per_allocation(thp: str) -> float:
     )
 
 
-@pytest.mark.skipif("[never]" in (THP_MODE.read_text() if THP_MODE.exists() else "[never]"), reason="THP off")
+@pytest.mark.skipif(kernel_thp_mode() in ("never", "unknown"), reason="no transparent huge pages")
 def test_huge_pages_fault_a_freed_and_reallocated_tensor_in_far_fewer_times():
     pages = (64 << 20) // 4096
     small, huge = _faults_per_allocation("0"), _faults_per_allocation("1")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megaformer.train.device import THP_MODE
+from megaformer.train.device import kernel_thp_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
@@ -340,7 +340,7 @@ def test_bf16_trains(corpus, tmp_path):
     assert falling(losses(run))
 
 
-@pytest.mark.skipif("[never]" in (THP_MODE.read_text() if THP_MODE.exists() else "[never]"), reason="THP off")
+@pytest.mark.skipif(kernel_thp_mode() in ("never", "unknown"), reason="no transparent huge pages")
 def test_cpu_ranks_put_large_tensors_in_huge_pages_unless_told_not_to(corpus, tmp_path):
     steps = common(corpus) + ["train.max_steps=2", "train.save_interval=0"]
     default = train(tmp_path / "default", 1, steps, extra_env={"THP_MEM_ALLOC_ENABLE": None})

@@ -32,16 +32,21 @@ def configure_math(device: torch.device, precision: str) -> str:
     return f"{precision} matmuls on {torch.cuda.get_device_name(device)}"
 
 
+def kernel_thp_mode(path: Path = THP_MODE) -> str:
+    """The kernel's transparent huge page mode (always, madvise, never), or ``unknown``."""
+    try:
+        return next(word[1:-1] for word in path.read_text().split() if word.startswith("["))
+    except (OSError, StopIteration):
+        return "unknown"
+
+
 def host_memory(device: torch.device, thp_mode: Path = THP_MODE) -> str | None:
     """Which pages a CPU run's tensors of 2 MiB or more get, for the log (None on a GPU)."""
     if device.type != "cpu":
         return None
     if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch reads "1" as on, "0" as off, warns on others
         return "CPU tensors in 4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"
-    try:
-        mode = next(word[1:-1] for word in thp_mode.read_text().split() if word.startswith("["))
-    except (OSError, StopIteration):
-        mode = "unknown"
+    mode = kernel_thp_mode(thp_mode)
     if mode == "never":
         return "CPU tensors in 4 KiB pages: THP_MEM_ALLOC_ENABLE=1 but the kernel's transparent huge pages are off"
     return f"CPU tensors of 2 MiB or more in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: {mode})"
