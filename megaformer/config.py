@@ -74,6 +74,9 @@ class TrainConfig:
     max_minutes: float = 0.0  # also stop (and save) after this much training time; 0 = no limit
     lr_scale: float = 1.0  # lrate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup_steps: int = 4000
+    # The last this fraction of the run (of train.max_minutes when that ends it first, else of
+    # train.max_steps) ramps the lr linearly down to 0; the run ends with the ramp. 0 = off.
+    cooldown_fraction: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -259,6 +262,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("train", "max_minutes"): (0.0, _INF, False, False),  # 0 = no limit
     ("train", "lr_scale"): (0.0, _INF, True, False),
     ("train", "warmup_steps"): (1, _INF, False, False),  # step * warmup^-1.5 divides by it
+    ("train", "cooldown_fraction"): (0.0, 1.0, False, True),  # 0 = off; 1 would leave no run before it
     ("train", "adam_beta1"): (0.0, 1.0, False, True),
     ("train", "adam_beta2"): (0.0, 1.0, False, True),
     ("train", "adam_eps"): (0.0, _INF, True, False),

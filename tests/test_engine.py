@@ -10,7 +10,13 @@ from launcher.local import spawn
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
 from megaformer.train.engine import deepspeed_config
-from megaformer.train.schedule import InverseSqrtSchedule, inverse_sqrt_lr
+from megaformer.train.schedule import (
+    Cooldown,
+    InverseSqrtSchedule,
+    cooldown_start,
+    cooldown_time_reached,
+    inverse_sqrt_lr,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -23,6 +29,36 @@ def test_schedule_is_the_papers():
     assert inverse_sqrt_lr(4 * warm, d, warm) == pytest.approx(d**-0.5 * (4 * warm) ** -0.5)
     assert InverseSqrtSchedule(d, warm)(0) == inverse_sqrt_lr(1, d, warm)  # LambdaLR index 0 = first update
     assert inverse_sqrt_lr(10, d, warm, lr_scale=2.0) == 2 * inverse_sqrt_lr(10, d, warm)
+
+
+def test_cooldown_ramps_the_schedule_linearly_to_zero():
+    d, warm = 512, 100
+    schedule = InverseSqrtSchedule(d, warm)
+    schedule.cooldown = Cooldown(start=200, length=4)
+    plain = [inverse_sqrt_lr(step, d, warm) for step in range(1, 207)]
+    ramped = [schedule(index) for index in range(206)]
+    assert ramped[:200] == plain[:200]  # updates 1..200 untouched
+    # updates 201..204 get 4/5 .. 1/5 of the paper's lr, and every update after the ramp none
+    assert [r / p for r, p in zip(ramped[200:], plain[200:])] == pytest.approx([0.8, 0.6, 0.4, 0.2, 0.0, 0.0])
+
+
+def test_cooldown_begins_when_either_budget_is_spent_to_its_fraction():
+    # a step budget: the last 30 % of 30 steps, decided at update 21, lasting to 30
+    assert cooldown_start(0.3, 20, 30, time_reached=False) is None
+    assert cooldown_start(0.3, 21, 30, time_reached=False) == Cooldown(21, 9)
+    # a time budget: as many updates as the rest of the time gives at the rate so far
+    assert cooldown_start(0.2, 4000, 100_000, time_reached=False) is None
+    assert cooldown_start(0.2, 4000, 100_000, time_reached=True) == Cooldown(4000, 1000)
+    assert cooldown_start(0.5, 4000, 100_000, time_reached=True) == Cooldown(4000, 4000)
+    # ... but never past max_steps, and at least one update
+    assert cooldown_start(0.5, 4000, 5000, time_reached=True) == Cooldown(4000, 1000)
+    assert cooldown_start(0.5, 0, 5000, time_reached=True) == Cooldown(0, 1)
+    assert cooldown_start(0.0, 10**6, 30, time_reached=True) is None  # off
+    # the time is each rank's training seconds against (1 - fraction) of train.max_minutes
+    assert not cooldown_time_reached(0.2, 47.9 * 60, 60)
+    assert cooldown_time_reached(0.2, 48.0 * 60, 60)
+    assert not cooldown_time_reached(0.2, 10**9, 0)  # no time budget
+    assert not cooldown_time_reached(0.0, 10**9, 60)
 
 
 def test_deepspeed_config_is_generated_from_ours():

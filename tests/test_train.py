@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from megaformer.train.device import kernel_thp_mode
+from megaformer.train.schedule import inverse_sqrt_lr
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
@@ -186,6 +188,57 @@ def test_kill_and_resume_is_exact(corpus, tp2_run, tmp_path):
         assert resumed[step]["loss"] == reference[step]["loss"], step
 
 
+# ---- the learning-rate cool-down ------------------------------------------------------------------------
+
+
+def test_cooldown_ramps_the_last_steps_and_a_kill_inside_it_resumes_exactly(corpus, dp2_run, tmp_path):
+    """train.cooldown_fraction=0.3 of 30 steps: updates 22..30 ramp down to 0; a rank killed on the ramp resumes on it."""
+    sets = [*common(corpus), "train.zero_stage=2", "train.max_steps=30", "train.cooldown_fraction=0.3"]
+    sets += ["train.save_interval=11"]
+    whole = tmp_path / "whole"
+    proc = train(whole, 2, sets)
+    ok(proc)
+    assert "after update 21, the lr ramps down to 0 over the next 9 updates" in proc.stdout
+    cooled, plain = losses(whole), losses(dp2_run)  # dp2_run: the same run without the cool-down
+    for step in range(1, 23):  # the loss of step 22 is the last one before a ramped update
+        assert cooled[step]["loss"] == plain[step]["loss"], step
+    # the lr logged at a step is the next update's: updates 22..30 get 9/10 .. 1/10 of the paper's
+    for step in range(1, 30):
+        assert cooled[step]["lr"] == pytest.approx(plain[step]["lr"] * min((30 - step) / 10, 1), rel=1e-12), step
+    assert cooled[30]["lr"] == 0
+    cut = tmp_path / "cut"
+    assert train(cut, 2, sets, fault="kill:rank=1:step=25").returncode != 0
+    second = train(cut, 2, sets)
+    ok(second)
+    assert "step-00000022" in second.stdout and "ramps down" not in second.stdout  # the saved ramp, not a new one
+    resumed = losses(cut)
+    assert sorted(resumed) == list(range(1, 31))
+    for step in range(1, 31):
+        assert resumed[step]["loss"] == cooled[step]["loss"], step
+        assert resumed[step]["lr"] == cooled[step]["lr"], step
+
+
+def test_cooldown_of_a_time_budget_lasts_the_rest_of_the_time_at_the_rate_so_far(corpus, tmp_path):
+    """train.max_minutes=0.05, cooldown_fraction 0.5: the ramp begins after 1.5 s of steps and lasts as many again."""
+    run = tmp_path / "run"
+    sets = [*common(corpus), "train.max_steps=100000", "train.max_minutes=0.05", "train.cooldown_fraction=0.5"]
+    proc = train(run, 2, [*sets, "train.save_interval=0"])
+    ok(proc)
+    began = re.search(r"after update (\d+), the lr ramps down to 0 over the next (\d+) updates", proc.stdout)
+    assert began, proc.stdout[-3000:]
+    start, length = int(began[1]), int(began[2])
+    assert length == start  # half the time at the first half's rate
+    curve = losses(run)
+    last = max(curve)
+    assert start < last <= start + length
+    assert f"the cool-down ended at step {start + length}" in proc.stdout or "max_minutes=0.05 reached" in proc.stdout
+    for step in range(start, last + 1):
+        paper = inverse_sqrt_lr(step + 1, 64, 100, lr_scale=2.0)  # tiny's d_model, common()'s schedule
+        assert curve[step]["lr"] == pytest.approx(paper * (start + length - step) / (length + 1), rel=1e-9), step
+    (saved,) = (run / "checkpoints").glob("step-*/meta.json")  # the one at the end, for a resume to go on with
+    assert json.loads(saved.read_text())["run"]["trainer"]["cooldown"] == [start, length]
+
+
 # ---- resume at another layout -----------------------------------------------------------------------
 
 
@@ -234,6 +287,20 @@ def test_resume_from_a_damaged_checkpoint_is_refused(corpus, tp2_run, tmp_path):
     auto = train(run, 2, sets)  # --resume auto: the damaged step is skipped, and said
     ok(auto)
     assert "skipping" in auto.stdout and "model-tp00-of-02.pt" in auto.stdout and "from scratch" in auto.stdout
+
+
+def test_resume_with_a_malformed_trainer_state_is_refused(corpus, dp2_run, tmp_path):
+    """meta.json edited by hand (its run state is not hashed): one line naming the file, no traceback."""
+    run = tmp_path / "run"
+    _resume_from(dp2_run, 10, run)
+    meta_path = run / "checkpoints" / "step-00000010" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["run"]["trainer"]["cooldown"] = [3]
+    meta_path.write_text(json.dumps(meta))
+    proc = train(run, 2, [*common(corpus), "train.zero_stage=2", "train.max_steps=12"])
+    assert proc.returncode != 0
+    assert str(meta_path) in proc.stderr and "run.trainer is malformed" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_reshard_and_export_commands(tp2_run, tmp_path):

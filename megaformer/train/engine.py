@@ -28,7 +28,7 @@ from megaformer.config import Config, TrainConfig
 from megaformer.errors import ConfigError
 from megaformer.parallel import ParallelContext
 from megaformer.parallel.sharding import tp_dim
-from megaformer.train.schedule import InverseSqrtSchedule
+from megaformer.train.schedule import Cooldown, InverseSqrtSchedule
 
 try:  # NVIDIA apex: fused Adam on GPUs when installed; never required.
     from apex.optimizers import FusedAdam as _ApexFusedAdam
@@ -224,6 +224,20 @@ class Engine:
 
     def lr(self) -> float:
         return self.ds.get_lr()[0]
+
+    @property
+    def cooldown(self) -> Cooldown | None:
+        return self._schedule().cooldown
+
+    def set_cooldown(self, cooldown: Cooldown | None) -> None:
+        """Ramp the lr down as ``cooldown`` says, from the next update on (the current lr is recomputed)."""
+        self._schedule().cooldown = cooldown
+        sched = self.ds.lr_scheduler
+        sched.last_epoch = self.optimizer_steps - 1
+        sched.step()
+
+    def _schedule(self) -> InverseSqrtSchedule:
+        return self.ds.lr_scheduler.lr_lambdas[0]  # one multiplier, shared by every param group
 
     def loss_scale(self) -> float:
         opt = self.ds.optimizer

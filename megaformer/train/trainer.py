@@ -35,7 +35,7 @@ from megaformer.data.shards import manifest_path, read_manifest
 from megaformer.data.stream import TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
 from megaformer.decode.beam import SearchSettings
-from megaformer.errors import ConfigError, TrainingError
+from megaformer.errors import CheckpointError, ConfigError, TrainingError
 from megaformer.info import model_info
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext, vocab_parallel_cross_entropy
@@ -48,6 +48,7 @@ from megaformer.train.device import configure_math, host_memory
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, MicroBatch, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
+from megaformer.train.schedule import Cooldown, cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 from megaformer.train.valid_bleu import BleuSample, bleu_skip_reason, load_bleu_sample, sample_bleu
 
@@ -233,17 +234,36 @@ class Trainer:
     def state_dict(self) -> dict:
         """The trainer's own state: target tokens, training seconds and the best validation BLEU so far
         (None before the first; the step is the engine's)."""
-        return {"tokens": self.tokens, "train_seconds": self.train_seconds, "best_bleu": self.best_bleu}
+        cooldown = self.engine.cooldown
+        return {
+            "tokens": self.tokens,
+            "train_seconds": self.train_seconds,
+            "best_bleu": self.best_bleu,
+            "cooldown": None if cooldown is None else [cooldown.start, cooldown.length],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens, self.train_seconds = int(state["tokens"]), float(state["train_seconds"])
         best = state.get("best_bleu")  # absent in checkpoints written before BLEU was tracked
         self.best_bleu = None if best is None else float(best)
+        cooldown = state.get("cooldown")  # absent in checkpoints written before the cool-down existed
+        if cooldown is not None:
+            start, length = (int(n) for n in cooldown)
+            if start < 0 or length < 1:
+                raise ValueError(f"cooldown {cooldown}: needs a start >= 0 and a length >= 1")
+            cooldown = Cooldown(start, length)
+        self.engine.set_cooldown(cooldown)
 
     def _load(self, step_dir: Path) -> None:
         loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model, self._stage_counts())
         self.engine.load_state_dict({"tensors": loaded.shard, "counters": loaded.run["engine"]})
-        self.load_state_dict(loaded.run["trainer"])
+        try:
+            self.load_state_dict(loaded.run["trainer"])
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise CheckpointError(
+                f"{step_dir / 'meta.json'}: run.trainer is malformed ({type(err).__name__}: {err}); "
+                f"resume from another checkpoint"
+            ) from None
         same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
         self.feed.load_state_dict(
             {
@@ -383,20 +403,23 @@ class Trainer:
         self._validated = -1  # the last step validated
         window = _Window()
         try:
-            while self.engine.global_steps < t.max_steps:
+            while self.engine.global_steps < t.max_steps and not self._cooled():  # resumed after its cool-down
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
+                cool = cooldown_time_reached(t.cooldown_fraction, self.train_seconds, t.max_minutes)
                 # Each rank reads its own clock: a save is due when any rank's says so, decided
                 # with the step's flags so that every rank enters the save's collectives.
                 save_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
                 began = time.perf_counter()
-                flags = [watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due]
-                loss_sum, tokens, (usr1, term, up, due) = self.step([float(f) for f in flags])
+                flags = [watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due, cool]
+                loss_sum, tokens, (usr1, term, up, due, cool) = self.step([float(f) for f in flags])
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
                 self.tokens += int(tokens)
                 window.add(loss_sum, tokens, seconds)
                 signal = TERMINATE if term else REQUEUE if usr1 else NONE
-                self._after_step(logger, window, signal, bool(up), bool(due))
+                cooled = self._cool_down(bool(cool))
+                end = "time limit" if up else "cool-down" if cooled else None
+                self._after_step(logger, window, signal, end, bool(due))
                 if signal == REQUEUE:
                     step = self.engine.global_steps
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
@@ -408,6 +431,9 @@ class Trainer:
                 if up:
                     self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")
                     break
+                if cooled:
+                    self.log(f"train: the cool-down ended at step {self.engine.global_steps}")
+                    break
             step = self.engine.global_steps
             # Only a run resumed at its last step gets here unvalidated (its last save was on a signal).
             if t.eval_interval and step % t.eval_interval and self._validated != step and self._validate(logger, step):
@@ -417,24 +443,46 @@ class Trainer:
             logger.close()
         return 0
 
-    def _after_step(
-        self, logger: MetricsLogger, window: _Window, signal: int, time_up: bool, minutes_due: bool
-    ) -> None:
-        """Log, validate and save as scheduled (and on a signal or the time limit).
+    def _cool_down(self, time_reached: bool) -> bool:
+        """Begin the cool-down when it is due; True when it has ended (the run ends with it).
 
-        ``signal``, ``time_up`` and ``minutes_due`` (``train.save_minutes`` passed) are the
-        world's: every rank takes the same branch here.
+        ``time_reached`` is the world's, and the update count is the same on every rank:
+        every rank begins it at the same update, with the same length.
+        """
+        t, updates = self.cfg.train, self.engine.optimizer_steps
+        if self.engine.cooldown is None:
+            cooldown = cooldown_start(t.cooldown_fraction, updates, t.max_steps, time_reached)
+            if cooldown is None:
+                return False
+            self.engine.set_cooldown(cooldown)
+            self.log(
+                f"train: train.cooldown_fraction={t.cooldown_fraction}: after update {updates}, the lr ramps down "
+                f"to 0 over the next {cooldown.length} updates (from {self.engine.lr():.3g})"
+            )
+        return self._cooled()
+
+    def _cooled(self) -> bool:
+        cooldown = self.engine.cooldown
+        return cooldown is not None and self.engine.optimizer_steps >= cooldown.end
+
+    def _after_step(
+        self, logger: MetricsLogger, window: _Window, signal: int, end: str | None, minutes_due: bool
+    ) -> None:
+        """Log, validate and save as scheduled (and on a signal, the time limit or the cool-down's end).
+
+        ``signal``, ``end`` (why the run ends here, or None) and ``minutes_due``
+        (``train.save_minutes`` passed) are the world's: every rank takes the same branch here.
         """
         t, step = self.cfg.train, self.engine.global_steps
         if step % t.log_interval == 0 or step == t.max_steps:
             self._log(logger, window)
             window.reset()
-        last = signal == NONE and (time_up or step == t.max_steps)  # validated before the last save
+        last = signal == NONE and (end is not None or step == t.max_steps)  # validated before the last save
         best = bool(t.eval_interval) and (step % t.eval_interval == 0 or last) and self._validate(logger, step)
         scheduled = t.save_interval and step % t.save_interval == 0
-        due = signal != NONE or time_up or step == t.max_steps or minutes_due or scheduled
+        due = signal != NONE or end is not None or step == t.max_steps or minutes_due or scheduled
         if due or best:
-            reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, "time limit" if time_up else "schedule")
+            reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, end or "schedule")
             self.save(reason if due else "best", best=best)
             self._last_save = time.monotonic()
 
