@@ -45,16 +45,24 @@ def test_prune_keeps_the_step_named_best(tmp_path):
 
 
 def test_trainer_state_keeps_best_bleu_and_reads_old_checkpoints():
+    from megaformer.train.schedule import Cooldown
     from megaformer.train.trainer import Trainer
 
-    trainer = SimpleNamespace(tokens=5, train_seconds=1.5, best_bleu=12.5)
+    class Engine:  # the engine's cool-down, all the trainer's state reads of it
+        cooldown = None
+
+        def set_cooldown(self, cooldown):
+            self.cooldown = cooldown
+
+    trainer = SimpleNamespace(tokens=5, train_seconds=1.5, best_bleu=12.5, engine=Engine())
+    trainer.engine.cooldown = Cooldown(40, 10)
     state = Trainer.state_dict(trainer)
-    assert state == {"tokens": 5, "train_seconds": 1.5, "best_bleu": 12.5}
-    fresh = SimpleNamespace(best_bleu=None)
+    assert state == {"tokens": 5, "train_seconds": 1.5, "best_bleu": 12.5, "cooldown": [40, 10]}
+    fresh = SimpleNamespace(best_bleu=None, engine=Engine())
     Trainer.load_state_dict(fresh, json.loads(json.dumps(state)))  # meta.json holds it as JSON
-    assert fresh.best_bleu == 12.5 and fresh.tokens == 5
+    assert fresh.best_bleu == 12.5 and fresh.tokens == 5 and fresh.engine.cooldown == Cooldown(40, 10)
     Trainer.load_state_dict(fresh, {"tokens": 7, "train_seconds": 2.0})  # written before BLEU was tracked
-    assert fresh.best_bleu is None and fresh.tokens == 7
+    assert fresh.best_bleu is None and fresh.tokens == 7 and fresh.engine.cooldown is None
 
 
 def test_reasons_to_skip_bleu():
