@@ -59,6 +59,9 @@ def test_cooldown_begins_when_either_budget_is_spent_to_its_fraction():
     assert cooldown_time_reached(0.2, 48.0 * 60, 60)
     assert not cooldown_time_reached(0.2, 10**9, 0)  # no time budget
     assert not cooldown_time_reached(0.0, 10**9, 60)
+    for bad in ("1", "-0.1", "nan"):  # a ramp over the whole run, or none of it, is refused by name
+        with pytest.raises(ConfigError, match="train.cooldown_fraction"):
+            load_config(TINY, [f"train.cooldown_fraction={bad}"])
 
 
 def test_deepspeed_config_is_generated_from_ours():
