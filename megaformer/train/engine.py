@@ -232,9 +232,7 @@ class Engine:
     def set_cooldown(self, cooldown: Cooldown | None) -> None:
         """Ramp the lr down as ``cooldown`` says, from the next update on (the current lr is recomputed)."""
         self._schedule().cooldown = cooldown
-        sched = self.ds.lr_scheduler
-        sched.last_epoch = self.optimizer_steps - 1
-        sched.step()
+        _rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
 
     def _schedule(self) -> InverseSqrtSchedule:
         return self.ds.lr_scheduler.lr_lambdas[0]  # one multiplier, shared by every param group
@@ -469,6 +467,10 @@ def _import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]],
             for key in ADAM_KEYS:
                 state[key] = tensors[key][name].to(p.device, torch.float32).clone()
     # The scheduler follows the successful optimizer steps.
-    sched = engine.ds.lr_scheduler
-    sched.last_epoch = step - 1
+    _rewind_schedule(engine.ds.lr_scheduler, step)
+
+
+def _rewind_schedule(sched: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
+    """Set every param group's lr to the schedule's value after ``steps`` updates."""
+    sched.last_epoch = steps - 1
     sched.step()
