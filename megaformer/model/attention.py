@@ -124,8 +124,14 @@ def attend(
 def matmul_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float, rng: DropoutRNG
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v as two matmuls and an fp32 softmax, probabilities dropped with ``dropout_p``."""
-    scores = torch.matmul(q, k.transpose(-2, -1)).float() * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, t, s)
+    """softmax(q k^T / sqrt(d) + mask) v as two matmuls and an fp32 softmax, probabilities dropped with ``dropout_p``.
+
+    The softmax runs in at least fp32: bf16/fp16 scores go up, float64 ones stay float64.
+    Rounding float64 scores to fp32 would make the result depend on where a row falls in
+    a vector register (the vector and scalar fp32 kernels round differently).
+    """
+    scores = torch.matmul(q, k.transpose(-2, -1))  # (batch, heads, t, s)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * (1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

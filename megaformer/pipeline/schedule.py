@@ -182,12 +182,12 @@ class Pipeline:
             self.model.embed.weight.requires_grad_(True)
 
     def _gather_copy_grad(self) -> None:
-        """A copy's gradient of this micro-batch, summed in fp32 over the step (sent to the owner at its end)."""
+        """A copy's gradient of this micro-batch, summed in fp32 (or fp64) over the step (sent to the owner at its end)."""
         if self.part.embedding in (None, OWN):
             return
         weight = self.model.embed.weight
         if weight.grad is not None:
-            grad = weight.grad.float()
+            grad = weight.grad.to(torch.promote_types(weight.grad.dtype, torch.float32))
             self._embed_grad = grad if self._embed_grad is None else self._embed_grad + grad
             weight.grad = None
 
@@ -285,7 +285,8 @@ class _Step:
             pairs = list(zip(outputs, grads, strict=True))
             if self.done == len(self.micro) and pipe.part.embedding == OWN:
                 pairs.append((pipe.model.embed.weight, pipe._copies_grad()))
-            self.run_backward(sum((o.float() * (g.float() / self.loss_scale)).sum() for o, g in pairs), False)
+            wide = lambda t: t.to(torch.promote_types(t.dtype, torch.float32))  # noqa: E731
+            self.run_backward(sum((wide(o) * (wide(g) / self.loss_scale)).sum() for o, g in pairs), False)
         pipe._gather_copy_grad()
         if pipe.prev_rank is None:
             return []
