@@ -10,11 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megaformer.train.run_lock import RunLock
 
 
 def resume_policy(text: str) -> str:
@@ -41,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="auto: newest complete checkpoint in the run dir, if any; none: start fresh; or a checkpoint path",
     )
     p.add_argument(
+        "--other-tokenizer",
+        action="store_true",
+        help="resume a checkpoint on data prepared with another tokenizer of the same size (refused otherwise)",
+    )
+    p.add_argument(
         "--nproc",
         type=nonneg_int,
         default=0,
@@ -48,20 +58,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _rank_main(cfg: Config, run_dir: str, resume: str) -> int:
+def run_lock(run_dir: str) -> RunLock:
+    """The run directory's lock for this process (its SLURM job id, if any, lets a requeued job take it over)."""
+    from megaformer.train.run_lock import RunLock
+
+    return RunLock(Path(run_dir), os.environ.get("SLURM_JOB_ID"))
+
+
+def _rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, locked: bool = False) -> int:
+    """One rank's training. ``locked``: the launching process holds the run directory's lock for the ranks."""
     from launcher.env import detect
     from megaformer.parallel import ParallelContext
     from megaformer.train.trainer import Trainer
 
     info = detect()
     info.export()
-    ctx = ParallelContext.initialize(
-        cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
-    )
-    try:
-        return Trainer(cfg, ctx, Path(run_dir), resume).train()
-    finally:
-        ctx.destroy()
+    with nullcontext() if locked or info.rank != 0 else run_lock(run_dir):  # rank 0 holds it for a launcher's ranks
+        ctx = ParallelContext.initialize(
+            cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
+        )
+        try:
+            return Trainer(cfg, ctx, Path(run_dir), resume, other_tokenizer).train()
+        finally:
+            ctx.destroy()
 
 
 def _check_data(cfg: Config) -> None:
@@ -113,8 +132,10 @@ def _train(args: argparse.Namespace) -> int:
     check_model_split(cfg.model, layout.tp)
     check_precision(cfg.train)
     _check_data(cfg)
-    if info.source == "single" and world > 1:
-        return spawn(_rank_main, world, cfg, run_dir, args.resume)
-    if info.source == "single":
+    if info.source != "single":
+        return _rank_main(cfg, run_dir, args.resume, args.other_tokenizer)
+    with run_lock(run_dir):  # before anything is written into the run directory
+        if world > 1:
+            return spawn(_rank_main, world, cfg, run_dir, args.resume, args.other_tokenizer, True)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    return _rank_main(cfg, run_dir, args.resume)
+        return _rank_main(cfg, run_dir, args.resume, args.other_tokenizer, True)
