@@ -102,7 +102,7 @@ def test_ranks_do_not_outlive_their_launcher(corpus, tmp_path):
 WORKERS_STARTING = """
 import multiprocessing, os, signal, subprocess, sys
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from megaformer.data.stream import ignore_trainer_signals, start_workers
+from megaformer.data.workers import ignore_trainer_signals, start_workers
 
 class Numbers(IterableDataset):
     def __iter__(self):

@@ -5,7 +5,8 @@ of token lengths; the share of padding in the batches the training stream would 
 for one epoch at ``--max-tokens`` (both sides, eos/bos included, one DP rank).
 ``--json`` prints the same as one JSON object (keys per split include ``read``,
 ``kept``, ``rejected`` and ``padding_waste``). ``--verify`` also reads every shard
-through and checks its sample count and sha256; ``--spm MODEL`` checks that the data
+through and checks its sample count, sha256, token ids and lengths (the lengths index's
+sha256 is checked whenever a split is opened); ``--spm MODEL`` checks that the data
 was made with that tokenizer.
 """
 
@@ -19,8 +20,7 @@ import numpy as np
 
 from megaformer.cli_args import existing_file, existing_path, positive_int
 from megaformer.config import DataConfig
-from megaformer.data.corpus import file_sha256
-from megaformer.data.shards import manifest_path, read_manifest, read_shard
+from megaformer.data.shards import manifest_path, read_manifest, verify_split
 from megaformer.data.stream import PlanSettings, open_prepared, padding_waste, plan_epoch
 from megaformer.errors import DataError
 
@@ -96,12 +96,8 @@ def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False
         for url in data.urls:  # cheap, so always: a deleted shard is noticed without --verify
             if not Path(url).is_file():
                 raise DataError(f"{url}: listed in {mpath} but missing (run megaformer prepare again)")
-        if verify:
-            for url, shard in zip(data.urls, entry["shards"]):
-                for _ in read_shard(url, expected=shard["samples"]):
-                    pass
-                if file_sha256(url) != shard.get("sha256"):
-                    raise DataError(f"{url}: sha256 differs from the one in {mpath} (changed after prepare)")
+        if verify:  # the lengths index's sha256 was checked when the split was opened
+            verify_split(data)
     return summary
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import io
 import json
 import math
@@ -232,15 +233,39 @@ def _broken(url: str, err: BaseException) -> DataError:
     return DataError(f"{url}: truncated or corrupt shard ({err.__class__.__name__}: {reason})")
 
 
+class _HashingReader:
+    """A shard's byte stream that hashes what is read through it (the tar reader reads it once)."""
+
+    def __init__(self, raw) -> None:
+        self.raw, self.digest = raw, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.digest.update(data)
+        return data
+
+    def hexdigest_of_all(self) -> str:
+        """The sha256 of the whole stream: what was read, and the rest (the tar's padding, unread samples)."""
+        while block := self.raw.read(1 << 20):
+            self.digest.update(block)
+        return self.digest.hexdigest()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
 def read_shard(
-    url: str, *, wanted: np.ndarray | None = None, expected: int | None = None
+    url: str, *, wanted: np.ndarray | None = None, expected: int | None = None, sha256: str | None = None
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """``(position, src_ids, tgt_ids)`` for the samples of one shard, in order.
 
     ``url`` is anything webdataset opens (a path, ``file:``, ``pipe:cmd`` ...).
     ``wanted`` (a boolean mask over positions) limits decoding to those samples and stops
-    reading after the last one; ``expected`` is the sample count the manifest promises:
+    decoding after the last one; ``expected`` is the sample count the manifest promises:
     a shard that ends early is reported as truncated instead of silently yielding less.
+    ``sha256``: the manifest's checksum of the shard; the bytes are hashed as they are
+    read (the rest of the shard after the last wanted sample too), and a shard whose
+    bytes differ is a DataError once it has been read through.
     """
     stop = int(np.flatnonzero(wanted)[-1]) + 1 if wanted is not None and wanted.any() else None
     if wanted is not None and stop is None:
@@ -249,6 +274,8 @@ def read_shard(
         stream = gopen(url, "rb")
     except _SHARD_ERRORS as err:
         raise DataError(f"{url}: cannot open shard ({err.__class__.__name__}: {err})") from None
+    if sha256 is not None:
+        stream = _HashingReader(stream)
     position = 0
     try:
         files = tar_file_expander([{"url": url, "stream": stream}], handler=reraise_exception)
@@ -263,7 +290,21 @@ def read_shard(
                 yield position, src, tgt
             position += 1
             if stop is not None and position >= stop:
-                return
+                break
+        else:
+            if expected is not None and position != expected:
+                raise DataError(
+                    f"{url}: holds {position} samples, the manifest says {expected} (truncated or replaced shard)"
+                )
+            if stop is not None:
+                raise DataError(
+                    f"{url}: ends after {position} samples, sample {stop - 1} is missing (truncated shard?)"
+                )
+        if sha256 is not None and stream.hexdigest_of_all() != sha256:
+            raise DataError(
+                f"{url}: its bytes do not match the sha256 in the manifest (the shard was damaged or replaced "
+                f"after prepare): prepare the data again"
+            )
     except _SHARD_ERRORS as err:
         raise _broken(url, err) from None
     finally:
@@ -271,10 +312,6 @@ def read_shard(
             stream.close()
         except OSError:
             pass  # a pipe closed early reports its command's status; the data we needed was read
-    if expected is not None and position != expected:
-        raise DataError(f"{url}: holds {position} samples, the manifest says {expected} (truncated or replaced shard)")
-    if stop is not None and position < stop:
-        raise DataError(f"{url}: ends after {position} samples, sample {stop - 1} is missing (truncated shard?)")
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,6 +329,23 @@ class PreparedSplit:
     tokenizer_path: Path | None = None
     manifest: Path | None = None
     special_ids: tuple[int, int, int] = (PAD_ID, BOS_ID, EOS_ID)  # pad, bos, eos
+    shard_sha256: tuple[str | None, ...] = ()  # the manifest's checksum of each shard (empty: none known)
+    vocab_size: int | None = None  # token ids must be below it (None: not known)
+
+    def sha256_of_shard(self, shard: int) -> str | None:
+        return self.shard_sha256[shard] if shard < len(self.shard_sha256) else None
+
+    def check_ids(self, ids: np.ndarray, where: str) -> None:
+        """Refuse token ids outside ``[0, vocab_size)``: they would train silently on a wrong row, or crash."""
+        if self.vocab_size is None or not len(ids):
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise DataError(
+                f"{where}: token id {bad} is outside the vocabulary of {self.vocab_size} pieces in "
+                f"{self.manifest or 'the manifest'} (the shard was not made with this tokenizer): prepare the data again"
+            )
 
     @property
     def offsets(self) -> np.ndarray:
@@ -342,17 +396,56 @@ def open_prepared(
     found = [str(root / s["file"]) for s in shards] if urls is None else shard_urls(urls)
     if len(found) != len(shards):
         raise DataError(f"{mpath}: split {split} has {len(shards)} shards, {len(found)} URLs were given")
-    lengths_path = root / entry["lengths"]["file"]
-    try:
-        lengths = np.load(lengths_path, allow_pickle=False)
-    except (OSError, ValueError) as err:
-        raise DataError(f"{lengths_path}: cannot read the lengths index ({err})") from None
-    if lengths.ndim != 2 or lengths.shape != (entry["samples"], 2):
-        raise DataError(f"{lengths_path}: expected ({entry['samples']}, 2) lengths, found {lengths.shape}")
+    lengths = _read_lengths(root / entry["lengths"]["file"], entry, mpath)
     ids = (tok["pad_id"], tok["bos_id"], tok["eos_id"])
+    checksums = tuple(s.get("sha256") if isinstance(s.get("sha256"), str) else None for s in shards)
     return PreparedSplit(
-        split, tuple(found), tuple(s["samples"] for s in shards), lengths.astype(np.int64), own_model, mpath, ids
-    )
+        split, tuple(found), tuple(s["samples"] for s in shards), lengths, own_model, mpath, ids,
+        checksums, tok["vocab_size"],
+    )  # fmt: skip
+
+
+def _read_lengths(path: Path, entry: dict, mpath: Path) -> np.ndarray:
+    """A split's lengths index, checked against the manifest: its sha256, shape, and token totals.
+
+    The stream plans every batch from this file alone, so a replaced index would make
+    batches of the wrong size without any other sign: it is checked every time it is read.
+    """
+    expected = entry["lengths"].get("sha256")
+    try:
+        if isinstance(expected, str) and file_sha256(path) != expected:
+            raise DataError(
+                f"{path}: its bytes do not match the sha256 in {mpath} (the lengths index was damaged or "
+                f"replaced after prepare): prepare the data again"
+            )
+        lengths = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: cannot read the lengths index ({err})") from None
+    if lengths.ndim != 2 or lengths.shape != (entry["samples"], 2) or lengths.dtype.kind not in "iu":
+        raise DataError(f"{path}: expected ({entry['samples']}, 2) integer lengths, found {lengths.shape}")
+    lengths = lengths.astype(np.int64)
+    totals = [entry.get(key) for key in ("src_tokens", "tgt_tokens")]
+    if (lengths < 0).any() or any(
+        isinstance(t, int) and t != int(lengths[:, side].sum()) for side, t in enumerate(totals)
+    ):
+        raise DataError(f"{path}: the lengths do not add up to the token counts in {mpath}: prepare the data again")
+    return lengths
+
+
+def verify_split(data: PreparedSplit) -> None:
+    """Read every shard of a split through: its sha256, sample count, token ids and lengths against the index."""
+    for shard, url in enumerate(data.urls):
+        offset = int(data.offsets[shard])
+        for position, src, tgt in read_shard(
+            url, expected=data.shard_sizes[shard], sha256=data.sha256_of_shard(shard) or ""
+        ):
+            data.check_ids(src, f"{url} (source side)")
+            data.check_ids(tgt, f"{url} (target side)")
+            if (len(src), len(tgt)) != tuple(data.lengths[offset + position]):
+                raise DataError(
+                    f"{url}: sample {position} has {len(src)}+{len(tgt)} tokens, the lengths index of {data.manifest} "
+                    f"says {tuple(int(n) for n in data.lengths[offset + position])}: prepare the data again"
+                )
 
 
 def scan_shards(spec: str | Sequence[str], split: str = "train") -> PreparedSplit:

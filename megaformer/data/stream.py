@@ -4,7 +4,7 @@
 computes the same plan from the lengths index alone: which samples form which batch,
 for every DP rank, every sample in exactly one batch of one rank.
 
-**Workers.** Loader workers read and decode; they do not decide anything. The shards
+**Workers** (:mod:`megaformer.data.workers`). Loader workers read and decode; they do not decide anything. The shards
 a rank reads in an epoch (one *run* per shard: the part of it in the rank's share) are
 dealt to the workers in turn, so no tar header is parsed twice; workers send decoded
 samples in chunks to the main process, which pads them into the planned batches and
@@ -21,29 +21,31 @@ the new settings, so that epoch still sees every sample once; later epochs use t
 settings throughout. This assumes, as synchronous data-parallel training guarantees,
 that every DP rank had consumed the same number of batches.
 
+**Checks.** What a worker decodes is checked as it streams: each shard's bytes against
+the manifest's sha256 (hashed as the tar is read; ``verify=False`` skips it), every token
+id against the vocabulary, and every sample's lengths against the lengths index the plan
+was made from. A mismatch is a DataError naming the file.
+
 Tensor-parallel peers pass the same ``dp_rank`` and receive identical batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from megaformer.config import DataConfig
 from megaformer.data.plan import PlanSettings, RankPlan, padding_waste, plan_epoch
-from megaformer.data.shards import PreparedSplit, open_prepared, read_shard, scan_shards, shard_urls
+from megaformer.data.shards import PreparedSplit, open_prepared, scan_shards, shard_urls
 from megaformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from megaformer.data.workers import Chunk, Failure, RunReader, as_is, ignore_trainer_signals, shard_runs, start_workers
 from megaformer.errors import ConfigError, DataError
 
 __all__ = [
@@ -129,132 +131,6 @@ def collate(
     )
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    """Decoded samples travelling from a worker to the main process as four flat arrays."""
-
-    ids: np.ndarray
-    lengths: np.ndarray  # (n, 2)
-    src: np.ndarray
-    tgt: np.ndarray
-
-    @staticmethod
-    def pack(samples: list[tuple[int, np.ndarray, np.ndarray]]) -> _Chunk:
-        return _Chunk(
-            np.fromiter((i for i, _, _ in samples), dtype=np.int64, count=len(samples)),
-            np.array([(len(s), len(t)) for _, s, t in samples], dtype=np.int64).reshape(-1, 2),
-            np.concatenate([s for _, s, _ in samples]),
-            np.concatenate([t for _, _, t in samples]),
-        )
-
-    def unpack(self) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-        srcs = np.split(self.src, np.cumsum(self.lengths[:-1, 0]))
-        tgts = np.split(self.tgt, np.cumsum(self.lengths[:-1, 1]))
-        return zip(self.ids.tolist(), srcs, tgts)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """A DataError met in a worker, sent as a value (a raised one reaches the main process with a traceback)."""
-
-    message: str
-
-
-def _as_is(item: object) -> object:
-    return item
-
-
-def ignore_trainer_signals(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: a worker ignores the signals the trainer handles (USR1, TERM).
-
-    ``scancel --signal=USR1`` and SLURM's step signals reach every process of a job; a worker
-    that kept USR1's or TERM's default action would die and take its rank down instead of
-    letting the rank save (and requeue). A SIGTERM from the worker's own rank is still obeyed:
-    that is how the rank's DataLoader and multiprocessing stop workers at exit. Python
-    handlers cannot see a signal's sender, so SIGTERM is blocked and a thread reads it with
-    ``sigwaitinfo``, exiting only when the sender is the parent.
-    """
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    parent = os.getppid()
-
-    def obey_parent_only() -> None:
-        while True:
-            info = signal.sigwaitinfo({signal.SIGTERM})
-            if info.si_pid == parent:
-                os._exit(0)
-
-    threading.Thread(target=obey_parent_only, name="sigterm-from-parent", daemon=True).start()
-
-
-def start_workers(loader: DataLoader) -> Iterator:
-    """``iter(loader)`` with USR1 and TERM blocked while its workers start.
-
-    A rank's workers are spawned (the launcher's start method is inherited), and a spawned
-    process begins with the default actions, which for USR1 and TERM kill it, until
-    ``ignore_trainer_signals`` runs after its imports, seconds later. A blocked mask survives
-    fork and exec, so a worker started under it holds a group-wide signal until the
-    ``worker_init_fn`` ignores (USR1) or screens (TERM) it. The rank's own pending signals
-    arrive when the mask is restored. Python's resource tracker, if it starts here, inherits
-    the mask too, but unblocks TERM in this thread after it started, so the mask is set again.
-    """
-    screened = {signal.SIGUSR1, signal.SIGTERM}
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, screened)
-    try:
-        resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, screened)
-        return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-class _RunReader(IterableDataset):
-    """Reads shard runs ``w, w + W, ...`` (worker ``w`` of ``W``) and yields their wanted samples in chunks.
-
-    A *run* is the part of one shard that a rank reads: ``(shard, wanted positions)``.
-    Workers read disjoint runs, so no tar header is parsed twice.
-    """
-
-    def __init__(self, data: PreparedSplit, runs: list[tuple[int, np.ndarray]], chunk: int = 512) -> None:
-        self.data, self.runs, self.chunk = data, runs, chunk
-
-    def __iter__(self) -> Iterator[_Chunk | _Failure]:
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        try:
-            for shard, wanted in self.runs[worker::workers]:
-                offset = int(self.data.offsets[shard])
-                samples = []
-                for position, src, tgt in read_shard(
-                    self.data.urls[shard], wanted=wanted, expected=self.data.shard_sizes[shard]
-                ):
-                    samples.append((offset + position, src, tgt))
-                    if len(samples) == self.chunk:
-                        yield _Chunk.pack(samples)
-                        samples = []
-                if samples:
-                    yield _Chunk.pack(samples)
-        except DataError as err:
-            yield _Failure(str(err))
-
-
-def _runs(data: PreparedSplit, read: np.ndarray, needed: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """The shard runs of a rank's read order that hold needed samples, in read order."""
-    ids = read[needed[read]]
-    if len(ids) == 0:
-        return []
-    offsets = data.offsets
-    shard_of = np.searchsorted(offsets, ids, side="right") - 1
-    starts = np.flatnonzero(np.diff(shard_of, prepend=-1))
-    runs = []
-    for a, b in zip(starts, list(starts[1:]) + [len(ids)]):
-        shard = int(shard_of[a])
-        wanted = np.zeros(data.shard_sizes[shard], dtype=bool)
-        wanted[ids[a:b] - offsets[shard]] = True
-        runs.append((shard, wanted))
-    return runs
-
-
 # ---------------------------------------------------------------------------------------
 # The stream.
 
@@ -307,6 +183,7 @@ class TokenBatchStream:
         epoch: int = 0,
         spm: str | Path | None = None,
         pin_memory: bool = False,
+        verify: bool = True,
     ) -> None:
         if not 0 <= dp_rank < dp_size:
             raise ConfigError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
@@ -327,6 +204,7 @@ class TokenBatchStream:
         self.split, self.dp_rank, self.num_workers, self.repeat = split, dp_rank, num_workers, repeat
         self.special_ids = (pad_id, bos_id, eos_id)
         self.pin_memory = pin_memory  # batches in page-locked memory, for asynchronous copies to a GPU
+        self.verify = verify  # each shard's bytes checked against the manifest's sha256 as it streams
         self.settings = PlanSettings(dp_size, max_tokens, max_len, shuffle_buffer, sort_buffer, seed, shuffle)
         self._check_lengths()
         self._epoch, self._batches = epoch, 0
@@ -420,8 +298,8 @@ class TokenBatchStream:
             return
         needed = np.zeros(len(self.data.lengths), dtype=bool)
         needed[np.concatenate(batches)] = True
-        runs = _runs(self.data, plan.read, needed)
-        reader = _RunReader(self.data, runs)
+        runs = shard_runs(self.data, plan.read, needed)
+        reader = RunReader(self.data, runs, self.verify)
         workers = min(self.num_workers, len(runs))
         chunks = (
             iter(reader)
@@ -431,7 +309,7 @@ class TokenBatchStream:
                     reader,
                     batch_size=None,
                     num_workers=workers,
-                    collate_fn=_as_is,
+                    collate_fn=as_is,
                     prefetch_factor=4,
                     worker_init_fn=ignore_trainer_signals,
                 )
@@ -442,13 +320,14 @@ class TokenBatchStream:
         for index, ids in enumerate(batches, start=start):
             while not have[ids].all():
                 item = next(chunks, None)
-                if isinstance(item, _Failure) or item is None:
+                if isinstance(item, Failure) or item is None:
                     del chunks  # stop the workers now, not when the caller drops the traceback
                     if item is None:
-                        item = _Failure(
+                        item = Failure(
                             f"split {self.split}: sample {int(ids[~have[ids]][0])} was not found in the shards"
                         )
                     raise DataError(item.message)
+                self._check_lengths_of(item)
                 have[item.ids] = True
                 store.update((i, (src, tgt)) for i, src, tgt in item.unpack())
             batch = collate([store.pop(int(j)) for j in ids], ids, *self.special_ids)
@@ -460,6 +339,18 @@ class TokenBatchStream:
             else:
                 self._batches = index + 1
             yield batch
+
+    def _check_lengths_of(self, chunk: Chunk) -> None:
+        """Decoded samples must have the lengths the plan was made from (the lengths index)."""
+        planned = self.data.lengths[chunk.ids]
+        if not np.array_equal(chunk.lengths, planned):
+            bad = int(chunk.ids[np.flatnonzero((chunk.lengths != planned).any(axis=1))[0]])
+            where = self.data.manifest.parent if self.data.manifest is not None else "the lengths"
+            raise DataError(
+                f"{where}: sample {bad} of split {self.split} has {tuple(chunk.lengths[chunk.ids == bad][0])} "
+                f"tokens, the lengths index says {tuple(self.data.lengths[bad])}: the index and the shards "
+                f"do not belong together; prepare the data again"
+            )
 
     def state_dict(self) -> dict:
         """The position (epoch, batches handed out) and the plan settings; small and JSON-safe."""
