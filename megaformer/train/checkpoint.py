@@ -37,7 +37,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,14 @@ def check_complete(step_dir: Path, verify: bool = False) -> dict:
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise CheckpointError(f"{meta_path}: lacks {', '.join(missing)} (edited or written by another program)")
+    named = STEP_DIR.match(step_dir.name)
+    if not isinstance(meta["step"], int) or isinstance(meta["step"], bool) or meta["step"] < 0:
+        raise CheckpointError(f"{meta_path}: step {meta['step']!r} is not a step count (edited by hand?)")
+    if named and int(named.group(1)) != meta["step"]:
+        raise CheckpointError(
+            f"{step_dir}: its name says step {int(named.group(1))}, its meta.json step {meta['step']} "
+            f"(renamed, or written there by hand): rename it {step_dir_name(meta['step'])} or move it out"
+        )
     for name, entry in meta["files"].items():
         f = step_dir / name
         if not f.is_file():
@@ -151,8 +160,15 @@ def find_latest(path: str | Path, log: Log) -> Path | None:
             continue
         if skipped:
             log(f"checkpoint: using the older checkpoint {step_dir.name}, since {', '.join(skipped)} cannot be used")
+        latest = read_pointer(root / "latest")
+        if latest is not None and _step_of(latest) < _step_of(step_dir.name) and not skipped:
+            log(f"checkpoint: latest names {latest}; the newer {step_dir.name} is complete (saved, latest not updated)")
         return step_dir
     return None
+
+
+def _step_of(name: str) -> int:
+    return int(STEP_DIR.match(name).group(1))
 
 
 def read_pointer(path: Path) -> str | None:
@@ -322,10 +338,11 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(ctx)
-    if ctx.dp_rank == 0:
-        name = model_file_name(ctx.tp.rank, ctx.layout.tp, ctx.pp_rank, ctx.pp_size)
-        atomic_torch_save(state.shard, tmp / name)
-    atomic_torch_save(state.rank, tmp / rank_file_name(ctx.rank))
+    with _writing(tmp):
+        if ctx.dp_rank == 0:
+            name = model_file_name(ctx.tp.rank, ctx.layout.tp, ctx.pp_rank, ctx.pp_size)
+            atomic_torch_save(state.shard, tmp / name)
+        atomic_torch_save(state.rank, tmp / rank_file_name(ctx.rank))
     replicas = [None] * ctx.layout.world_size
     if dist.is_initialized():
         dist.all_gather_object(replicas, state.replica, group=ctx.world_group)
@@ -333,8 +350,6 @@ def save_checkpoint(
         replicas = [state.replica]
     _barrier(ctx)  # every shard is on disk
     if ctx.is_main:
-        if tokenizer is not None and Path(tokenizer).is_file():
-            shutil.copyfile(tokenizer, tmp / "tokenizer.model")
         layout = {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.pp_size, "world": ctx.layout.world_size}
         meta = dict(meta)
         stages = meta.pop("stages", None)
@@ -349,18 +364,43 @@ def save_checkpoint(
             "rank_layout": layout,  # the layout of rank files and replicas (kept by reshard)
             "run": state.run,
             "replicas": replicas,
-            "files": _file_entries(tmp),
         }
-        atomic_write_text(tmp / "meta.json", json.dumps(full_meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        atomic_write_text(root / "latest", final.name + "\n")
-        if best:
-            write_best(root, final)
-        prune(root, keep_last)
+        with _writing(tmp):
+            _publish(tmp, final, full_meta, tokenizer)
+            if best:
+                write_best(root, final)
+            prune(root, keep_last)
     _barrier(ctx)
     return final
+
+
+@contextmanager
+def _writing(tmp: Path) -> Iterator[None]:
+    """Turn a failed write (a full disk, a quota, a vanished folder) into one line; the unfinished save is removed.
+
+    torch reports a full disk as a RuntimeError from its zip writer ("unexpected pos").
+    The checkpoints saved before are untouched: a save only becomes visible by its rename.
+    """
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        raise CheckpointError(
+            f"{tmp.parent}: cannot write the checkpoint ({reason}): free space there or point --run-dir elsewhere; "
+            f"the earlier checkpoints are intact"
+        ) from None
+
+
+def _publish(tmp: Path, final: Path, meta: dict, tokenizer: Path | None) -> None:
+    """The tokenizer, then meta.json with every file's sha256 (last), the rename into place, ``latest``."""
+    if tokenizer is not None and Path(tokenizer).is_file():
+        shutil.copyfile(tokenizer, tmp / "tokenizer.model")
+    atomic_write_text(tmp / "meta.json", json.dumps({**meta, "files": _file_entries(tmp)}, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(final.parent / "latest", final.name + "\n")
 
 
 # ---- loading for training ------------------------------------------------------------------------

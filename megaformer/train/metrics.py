@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from megaformer.errors import ConfigError
+
 # Dense (not 2:4 sparse) peak TFLOP/s per GPU from the vendors' data sheets, by a part of the
 # name torch reports; the first match wins, so the PCIe/NVL variants come before the SXM part.
 # "tf32": fp32 matmuls on tensor cores (fp32 training here); "fp32": without them (CUDA cores).
@@ -82,9 +84,15 @@ class MetricsLogger:
         self.start = time.monotonic()
         self.writer = None
         self.file = None
+        self.path = run_dir / "metrics.jsonl"
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+            try:
+                self.file = open(self.path, "a", buffering=1)
+            except OSError as err:
+                raise ConfigError(
+                    f"{self.path}: cannot be written ({err.strerror}): make it a writable file, or use another --run-dir"
+                ) from None
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -97,7 +105,16 @@ class MetricsLogger:
             return
         # JSON has no NaN or Infinity: a non-finite value (an fp16 overflow's norm) is written as null.
         clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-        self.file.write(json.dumps({"kind": prefix, **clean}, allow_nan=False) + "\n")
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps({"kind": prefix, **clean}, allow_nan=False) + "\n")
+            except OSError as err:  # a full disk or a vanished file: training and its checkpoints go on
+                print(
+                    f"train: {self.path}: cannot be written from step {record.get('step')} on ({err.strerror}); "
+                    f"training goes on without it",
+                    file=sys.stderr,
+                )
+                self._close_file()
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
@@ -127,9 +144,16 @@ class MetricsLogger:
             line += f" | bleu {r['bleu']:.2f} | bleu_lc {r['bleu_lc']:.2f}"
         print(line, flush=True)
 
+    def _close_file(self) -> None:
+        file, self.file = self.file, None
+        try:
+            file.close()
+        except OSError:
+            pass  # the buffered line that could not be written
+
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            self._close_file()
         if self.writer is not None:
             self.writer.close()
 

@@ -47,6 +47,7 @@ from megaformer.train.batching import plan_step
 from megaformer.train.device import configure_math, host_memory
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, MicroBatch, stream_count
+from megaformer.train.files import sha256_of
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.schedule import Cooldown, cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
@@ -121,7 +122,9 @@ def pipeline_step(
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: ParallelContext, run_dir: Path, resume: str = "auto") -> None:
+    def __init__(
+        self, cfg: Config, ctx: ParallelContext, run_dir: Path, resume: str = "auto", other_tokenizer: bool = False
+    ) -> None:
         self.cfg, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
         self.log = print if ctx.is_main else (lambda *a, **k: None)
         if not cfg.data.path:
@@ -133,6 +136,8 @@ class Trainer:
 
         self.start_dir = self._resume_point(resume)
         saved = ckpt.check_complete(self.start_dir) if self.start_dir else None
+        if saved:
+            _check_same_tokenizer(self.start_dir, saved, manifest, other_tokenizer, self.log)
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
@@ -252,6 +257,12 @@ class Trainer:
             if start < 0 or length < 1:
                 raise ValueError(f"cooldown {cooldown}: needs a start >= 0 and a length >= 1")
             cooldown = Cooldown(start, length)
+            if not self.cfg.train.cooldown_fraction:
+                self.log(
+                    f"train: train.cooldown_fraction=0: the checkpoint's cool-down (updates {start}..{start + length}) "
+                    f"is dropped; the lr follows the plain schedule"
+                )
+                cooldown = None
         self.engine.set_cooldown(cooldown)
 
     def _load(self, step_dir: Path) -> None:
@@ -396,6 +407,8 @@ class Trainer:
         """Train to ``train.max_steps``; returns the process exit status."""
         t = self.cfg.train
         self.engine.train()
+        if (nothing_left := self._nothing_left()) is not None:
+            self.log(f"train: nothing to train: {nothing_left}")
         logger = MetricsLogger(self.run_dir, self.ctx.is_main, t.max_steps)
         watch = SignalWatch()
         start_step = self.engine.global_steps
@@ -403,7 +416,7 @@ class Trainer:
         self._validated = -1  # the last step validated
         window = _Window()
         try:
-            while self.engine.global_steps < t.max_steps and not self._cooled():  # resumed after its cool-down
+            while nothing_left is None and self.engine.global_steps < t.max_steps and not self._cooled():
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
                 cool = cooldown_time_reached(t.cooldown_fraction, self.train_seconds, t.max_minutes)
                 # Each rank reads its own clock: a save is due when any rank's says so, decided
@@ -442,6 +455,28 @@ class Trainer:
             watch.restore()
             logger.close()
         return 0
+
+    def _nothing_left(self) -> str | None:
+        """Why a (resumed) run has no step left to train, with the option to change; None if it has.
+
+        Every rank holds the same step, cool-down and training seconds (the run's state), so
+        every rank gives the same answer.
+        """
+        t, step = self.cfg.train, self.engine.global_steps
+        if step >= t.max_steps:
+            return f"the checkpoint is at step {step}, train.max_steps={t.max_steps}: raise train.max_steps to go on"
+        if self._cooled():
+            cooldown = self.engine.cooldown
+            return (
+                f"the lr cool-down of this run ended at update {cooldown.end} (the lr is 0 from there): "
+                f"resume with --set train.cooldown_fraction=0 to drop it and train on at the plain schedule"
+            )
+        if t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes:
+            return (
+                f"train.max_minutes={t.max_minutes} is spent ({self.train_seconds / 60:.1f} minutes trained): "
+                f"raise train.max_minutes to go on"
+            )
+        return None
 
     def _cool_down(self, time_reached: bool) -> bool:
         """Begin the cool-down when it is due; True when it has ended (the run ends with it).
@@ -538,6 +573,29 @@ class _Window:
         self.loss += loss
         self.tokens += tokens
         self.seconds += seconds
+
+
+def _check_same_tokenizer(step_dir: Path, meta: dict, manifest: dict, allowed: bool, log) -> None:
+    """A resume on data made with another tokenizer or vocabulary is refused (unless ``allowed``, said in a line).
+
+    The ids of the new data would mean other pieces to the model; a different vocabulary
+    size cannot be loaded at all.
+    """
+    tok = manifest["tokenizer"]
+    if meta.get("vocab_size") != tok["vocab_size"]:
+        raise CheckpointError(
+            f"{step_dir}: trained with a vocabulary of {meta.get('vocab_size')} pieces, the data has "
+            f"{tok['vocab_size']}: resume on data prepared with the checkpoint's tokenizer ({step_dir}/tokenizer.model)"
+        )
+    saved = step_dir / "tokenizer.model"
+    if not saved.is_file() or sha256_of(saved) == tok["sha256"]:
+        return
+    if not allowed:
+        raise CheckpointError(
+            f"{step_dir}: trained with another tokenizer than the data's ({saved} differs from the one in data.path): "
+            f"prepare the data with --spm {saved}, or pass --other-tokenizer to resume anyway"
+        )
+    log(f"train: --other-tokenizer: resuming {step_dir} on data made with another tokenizer of the same size")
 
 
 def _require_cpp_compiler() -> None:

@@ -1,0 +1,333 @@
+"""Runs that protect themselves: one writer per run directory, data checked as it streams, resumes that say what they do.
+
+Each bad case ends in one line naming the file or setting and a non-zero exit (or, for a
+resume with nothing to do, one line and exit 0), and nothing that should survive is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaformer import cli
+from megaformer.data.shards import open_prepared, read_manifest, verify_split, write_manifest
+from megaformer.data.stream import TokenBatchStream
+from megaformer.errors import CheckpointError, ConfigError, DataError
+from megaformer.train.checkpoint import check_complete, find_latest, list_checkpoints
+from megaformer.train.files import sha256_of
+from megaformer.train.run_lock import LOCK_NAME, Holder, RunLock
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+QUICK = [
+    "data.max_tokens=512",
+    "data.num_workers=0",
+    "train.tokens_per_step=512",
+    "train.log_interval=5",
+    "train.eval_interval=0",
+    "train.save_interval=5",
+    "train.keep_last=10",
+    "parallel.backend=gloo",
+]
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "SLURM_PROCID"):
+        env.pop(name, None)
+    return env
+
+
+def _train_argv(run_dir: Path, data: Path, *sets: str, extra: tuple[str, ...] = ()) -> list[str]:
+    argv = [sys.executable, "-m", "megaformer.cli", "train", "--config", str(TINY), "--run-dir", str(run_dir)]
+    for s in [f"data.path={data}", *QUICK, *sets]:
+        argv += ["--set", s]
+    return argv + list(extra)
+
+
+def _train(run_dir: Path, data: Path, *sets: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    argv = _train_argv(run_dir, data, *sets, extra=extra)
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, fragment: str) -> str:
+    assert proc.returncode not in (0, None), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines and fragment in lines[-1], proc.stderr
+    return lines[-1]
+
+
+def _prepare(out: Path, pairs: int = 600, seed: int = 1234, shard_size: int = 200) -> Path:
+    argv = ["prepare", "--synthetic", str(pairs), "--out", str(out), "--shard-size", str(shard_size)]
+    assert cli.main([*argv, "--seed", str(seed), "--quiet"]) == 0
+    return out
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    return _prepare(tmp_path / "data")
+
+
+@pytest.fixture(scope="module")
+def shared_data(tmp_path_factory) -> Path:
+    return _prepare(tmp_path_factory.mktemp("shared") / "data")
+
+
+def _stream_all(path: Path, epochs: int = 1) -> int:
+    stream = TokenBatchStream(path, "train", dp_rank=0, dp_size=1, max_tokens=512, repeat=False)
+    return sum(len(b) for _ in range(epochs) for b in stream)
+
+
+# ---- one writer per run directory ---------------------------------------------------------------
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from megaformer.train.run_lock import RunLock
+lock = RunLock(Path(sys.argv[1]), sys.argv[2] or None).acquire()
+print("held", flush=True)
+time.sleep(float(sys.argv[3]))
+lock.release()
+"""
+
+
+def _holder(run_dir: Path, job: str = "", seconds: float = 30.0) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run_dir), job, str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_held_run_dir_is_refused_naming_the_holder(tmp_path):
+    holder = _holder(tmp_path / "run")
+    try:
+        with pytest.raises(ConfigError, match=rf"pid {holder.pid} on .*another --run-dir"):
+            RunLock(tmp_path / "run", None).acquire(requeue_wait_s=0)
+    finally:
+        holder.kill()
+        holder.wait()
+    # The kernel released the killed holder's lock; the next writer takes it over and says so.
+    said = []
+    lock = RunLock(tmp_path / "run", None, log=said.append).acquire()
+    assert any(f"pid {holder.pid}" in line and "no longer running" in line for line in said), said
+    lock.release()
+    assert (tmp_path / "run" / LOCK_NAME).read_text() == ""  # released: nobody holds it
+
+
+def test_a_requeued_slurm_job_waits_for_its_earlier_self_then_takes_over(tmp_path):
+    holder = _holder(tmp_path / "run", job="4242", seconds=1.5)
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match="SLURM job 4242"):  # another job: refused at once
+        RunLock(tmp_path / "run", "777").acquire(requeue_wait_s=10)
+    assert time.monotonic() - began < 1.4
+    lock = RunLock(tmp_path / "run", "4242").acquire(requeue_wait_s=10)  # the same job: waits, then holds
+    assert json.loads((tmp_path / "run" / LOCK_NAME).read_text())["slurm_job_id"] == "4242"
+    lock.release()
+    holder.wait(timeout=10)
+
+
+def test_without_flock_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    run = tmp_path / "run"
+    run.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    me = Holder.this_process(None)
+    (run / LOCK_NAME).write_text(json.dumps({**me.__dict__, "pid": int(dead.stdout)}))
+    said = []
+    RunLock(run, None, log=said.append).acquire().release()
+    assert any("no longer running" in line for line in said), said
+    alive = _holder(tmp_path / "elsewhere", seconds=30)  # a live process, recorded as the holder
+    try:
+        (run / LOCK_NAME).write_text(json.dumps({**me.__dict__, "pid": alive.pid}))
+        with pytest.raises(ConfigError, match=f"pid {alive.pid}"):
+            RunLock(run, None).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_two_trainings_on_one_run_dir_the_second_is_refused_and_the_first_keeps_its_checkpoints(data, tmp_path):
+    run = tmp_path / "run"
+    argv = _train_argv(run, data, "train.max_steps=30", "train.seed=11")
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / LOCK_NAME).is_file() and (run / LOCK_NAME).read_text()):
+            assert time.monotonic() < deadline and first.poll() is None, "the first training did not start"
+            time.sleep(0.2)
+        began = time.monotonic()
+        second = _train(run, data, "train.max_steps=30", "train.seed=99")
+        assert time.monotonic() - began < 10 + 15  # refused before any work (the rest is Python's start-up)
+        line = _one_line_error(second, f"--run-dir {run}: another training writes there (pid {first.pid}")
+        assert "another --run-dir" in line
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out[-2000:] + err[-2000:]
+    steps = list_checkpoints(run / "checkpoints")
+    assert [p.name for p in steps] == [f"step-{n:08d}" for n in (30, 25, 20, 15, 10, 5)]
+    for step_dir in steps:
+        meta = check_complete(step_dir, verify=True)
+        assert meta["config"]["train"]["seed"] == 11  # all the first run's
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert logged == sorted(set(logged))  # one writer: no interleaved steps
+
+
+# ---- data checked while training ----------------------------------------------------------------
+
+
+def _rewrite_manifest(path: Path, change) -> None:
+    manifest = read_manifest(path)
+    change(manifest)
+    write_manifest(Path(path), manifest)
+
+
+def test_a_replaced_lengths_index_is_refused_by_train_inspect_and_the_stream(data, tmp_path):
+    index = data / "train.lengths.npy"
+    lengths = np.load(index)
+    np.save(index, lengths[::-1].copy())  # same shape, same totals, other lengths
+    with pytest.raises(DataError, match=r"train\.lengths\.npy: its bytes do not match the sha256"):
+        open_prepared(data, "train")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "inspect", str(data)], capture_output=True, text=True, env=_env()
+    )
+    _one_line_error(proc, "train.lengths.npy: its bytes do not match the sha256")
+    _one_line_error(_train(tmp_path / "run", data, "train.max_steps=2"), "train.lengths.npy: its bytes do not match")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_lengths_index_that_does_not_fit_its_shards_stops_the_stream(data):
+    index = data / "train.lengths.npy"
+    lengths = np.load(index)
+    lengths[[0, 1]] = lengths[[1, 0]]  # the index was re-made for another order of the shards
+    np.save(index, lengths)
+    _rewrite_manifest(data, lambda m: m["splits"]["train"]["lengths"].update(sha256=sha256_of(index)))
+    if (lengths[0] == lengths[1]).all():
+        pytest.skip("the first two samples have equal lengths")
+    with pytest.raises(DataError, match="the lengths index says"):
+        _stream_all(data)
+    with pytest.raises(DataError, match="the lengths index of"):
+        verify_split(open_prepared(data, "train"))
+
+
+def test_a_damaged_shard_stops_the_stream_naming_it_and_verification_off_reads_it(data):
+    shard = data / "train-000001.tar"
+    raw = bytearray(shard.read_bytes())
+    at = raw.rindex(b"\x93NUMPY") + 128 + 1  # inside the last sample's payload
+    raw[at] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"train-000001\.tar: its bytes do not match the sha256"):
+        _stream_all(data)
+    with pytest.raises(DataError, match="train-000001.tar"):
+        verify_split(open_prepared(data, "train"))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(data):
+    from megaformer.data.shards import ShardWriter, read_shard, token_dtype
+
+    manifest = read_manifest(data)
+    vocab = manifest["tokenizer"]["vocab_size"]
+    split = open_prepared(data, "train")
+    samples = [(src.tolist(), tgt.tolist()) for _, src, tgt in read_shard(split.urls[0])]
+    samples[3] = (samples[3][0][:-1] + [vocab + 5], samples[3][1])  # an id the embedding has no row for
+    writer = ShardWriter(data / "rewritten", "train", len(samples), token_dtype(vocab))
+    (data / "rewritten").mkdir()
+    for src, tgt in samples:
+        writer.write(src, tgt)
+    entry = writer.close()
+    os.replace(data / "rewritten" / "train-000000.tar", data / "train-000000.tar")
+    _rewrite_manifest(data, lambda m: m["splits"]["train"]["shards"][0].update(sha256=entry["shards"][0]["sha256"]))
+    with pytest.raises(DataError, match=rf"train-000000\.tar \(source side\): token id {vocab + 5} is outside"):
+        _stream_all(data)
+    with pytest.raises(DataError, match="outside the vocabulary"):
+        verify_split(open_prepared(data, "train"))
+
+
+def test_verification_changes_nothing_in_the_batches(shared_data):
+    def batches(verify: bool) -> list:
+        stream = TokenBatchStream(
+            shared_data, "train", dp_rank=0, dp_size=1, max_tokens=512, repeat=False, verify=verify
+        )
+        return [b.src.tolist() for b in stream]
+
+    assert batches(True) == batches(False)
+
+
+# ---- resumes that say what they do --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(shared_data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    proc = _train(run, shared_data, "train.max_steps=10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def _copy_run(run: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, to)
+    (to / LOCK_NAME).unlink(missing_ok=True)
+    return to
+
+
+def test_a_resume_with_nothing_left_says_which_limit_and_option(finished, shared_data, tmp_path):
+    run = _copy_run(finished, tmp_path / "run")
+    proc = _train(run, shared_data, "train.max_steps=10")
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stdout.splitlines() if "nothing to train" in line]
+    assert len(said) == 1 and "train.max_steps=10: raise train.max_steps" in said[0], proc.stdout
+    assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000010"
+
+
+def test_resuming_on_data_of_another_tokenizer_is_refused_unless_asked_for(finished, tmp_path):
+    other = _prepare(tmp_path / "other", seed=99)  # the same sizes, another BPE model
+    assert sha256_of(other / "spm.model") != sha256_of(finished / "checkpoints" / "step-00000010" / "tokenizer.model")
+    run = _copy_run(finished, tmp_path / "run")
+    proc = _train(run, other, "train.max_steps=12")
+    _one_line_error(proc, "trained with another tokenizer than the data's")
+    assert "--other-tokenizer" in proc.stderr
+    assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000010"
+    proc = _train(run, other, "train.max_steps=12", extra=("--other-tokenizer",))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--other-tokenizer: resuming" in proc.stdout
+
+
+def test_resume_auto_never_trusts_a_directory_name_alone(finished, tmp_path):
+    import shutil
+
+    run = _copy_run(finished, tmp_path / "run")
+    root = run / "checkpoints"
+    shutil.copytree(root / "step-00000005", root / "step-99999999")  # a step-5 checkpoint under a big name
+    said = []
+    assert find_latest(run, log=said.append) == root / "step-00000010"
+    assert any("step-99999999: its name says step 99999999, its meta.json step 5" in line for line in said), said
+    with pytest.raises(CheckpointError, match="its name says step 99999999"):
+        check_complete(root / "step-99999999")
+
+
+def test_metrics_that_cannot_be_written_are_refused_before_training(shared_data, tmp_path):
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    _one_line_error(_train(run, shared_data, "train.max_steps=2"), "metrics.jsonl: cannot be written")
