@@ -37,8 +37,7 @@ def model_info(cfg: Config) -> dict:
     dp = max(1, p.dp)
     padded = padded_vocab_size(cfg.data.vocab_size, p.tp, p.vocab_multiple)
     pad_rows = (padded - cfg.data.vocab_size) * m.d_model
-    full = sum(t.numel() for t in shape_model(cfg, cfg.data.vocab_size, 1).parameters())
-    per_rank = sum(t.numel() for t in shape_model(cfg, cfg.data.vocab_size, p.tp).parameters())
+    full, per_rank = parameter_count(cfg, 1), parameter_count(cfg, p.tp)
     params = full - _padding_rows(cfg, 1)  # the TP=1 model's padding, which can differ from the configured tp's
     state = _state_bytes(cfg, per_rank, dp)
     activations = _layer_activation_bytes(cfg) * (m.encoder_layers + 1.5 * m.decoder_layers)
@@ -62,6 +61,24 @@ def model_info(cfg: Config) -> dict:
             "sequence_parallel": p.sequence_parallel,
         },
     }
+
+
+def parameter_count(cfg: Config, tp_size: int) -> int:
+    """Parameters of the whole model on one rank of ``tp_size``, padding rows included.
+
+    The count is affine in the layer counts (embedding and final norms, plus E encoder
+    layers, plus D decoder layers), so three small models on the meta device give it for
+    any depth: a 4,000-layer model is not built four times over by ``info``.
+    """
+
+    def count(encoder: int, decoder: int) -> int:
+        small = dataclasses.replace(cfg.model, encoder_layers=encoder, decoder_layers=decoder)
+        model = shape_model(dataclasses.replace(cfg, model=small), cfg.data.vocab_size, tp_size)
+        return sum(t.numel() for t in model.parameters())
+
+    base = count(1, 1)
+    encoder_layer, decoder_layer = count(2, 1) - base, count(1, 2) - base
+    return base + (cfg.model.encoder_layers - 1) * encoder_layer + (cfg.model.decoder_layers - 1) * decoder_layer
 
 
 def _padding_rows(cfg: Config, tp: int) -> int:
@@ -113,11 +130,18 @@ def step_info(cfg: Config, dp: int) -> dict:
     }
 
 
-def _stage_counts(cfg: Config, part: StagePart, tp_size: int) -> tuple[int, int]:
-    """(parameters, embedding-copy elements) of one stage at TP size ``tp_size``; the copy is a buffer."""
-    model = shape_model(cfg, cfg.data.vocab_size, tp_size, part)
-    copy = model.embed.weight.numel() if part.embedding == COPY else 0
-    return sum(t.numel() for t in model.parameters()), copy
+def _stage_counts(cfg: Config, part: StagePart, tp_size: int, known: dict) -> tuple[int, int]:
+    """(parameters, embedding-copy elements) of one stage at TP size ``tp_size``; the copy is a buffer.
+
+    Stages alike in what decides their parameters (layer counts, embedding, final norms)
+    are built once: ``known`` holds the counts of the stages seen so far.
+    """
+    key = (tp_size, len(part.encoder), len(part.decoder), part.embedding, part.ends_encoder, part.last)
+    if key not in known:
+        model = shape_model(cfg, cfg.data.vocab_size, tp_size, part)
+        copy = model.embed.weight.numel() if part.embedding == COPY else 0
+        known[key] = sum(t.numel() for t in model.parameters()), copy
+    return known[key]
 
 
 def pipeline_info(cfg: Config, micro_batches: int) -> dict:
@@ -133,10 +157,10 @@ def pipeline_info(cfg: Config, micro_batches: int) -> dict:
     parts = plan_stages(cfg.model, p.pp, p.pp_split, cfg.data.vocab_size)
     pad_rows = _padding_rows(cfg, 1)
     per_layer, w, dp = _layer_activation_bytes(cfg), BYTES[cfg.train.precision], max(1, p.dp)
-    stages = []
+    stages, known = [], {}
     for part in parts:
-        full, _ = _stage_counts(cfg, part, 1)
-        per_rank, copy = _stage_counts(cfg, part, p.tp)
+        full, _ = _stage_counts(cfg, part, 1, known)
+        per_rank, copy = _stage_counts(cfg, part, p.tp, known)
         in_flight = min(p.pp - part.index, micro_batches)
         mem = _state_bytes(cfg, per_rank, dp)
         mem["weights"] += copy * w

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from megaformer.config import ModelConfig
 from megaformer.errors import ConfigError
 
@@ -124,30 +126,41 @@ def parse_split(text: str, pp: int, total: int) -> list[int]:
 
 
 def balanced_split(model: ModelConfig, pp: int, vocab_size: int) -> list[int]:
-    """Layers per stage that minimise the most expensive stage (contiguous cut, at least one layer each)."""
+    """Layers per stage that minimise the most expensive stage (contiguous cut, at least one layer each).
+
+    ``best[k][i]``, the smallest maximum stage cost cutting the first ``i`` layers into
+    ``k`` stages, is the minimum over ``j`` of ``max(best[k-1][j], cost(j, i))``: the first
+    term grows with ``j`` (costs are positive), the second falls. The minimum is at their
+    crossing, the first ``j`` with ``best[k-1][j] + prefix[j] >= prefix[i] (+ head)``, or
+    at the ``j`` just before it: one binary search per ``(k, i)``, all ``i`` of a ``k`` at
+    once, instead of a scan over ``j`` (4,000 layers in 2,000 stages take a second, not
+    hours). Ties go to the smaller ``j``, as the scan in increasing ``j`` gave them.
+    """
     enc, dec, head = layer_costs(model, vocab_size)
-    costs = [enc] * model.encoder_layers + [dec] * model.decoder_layers
-    n = len(costs)
+    n = model.encoder_layers + model.decoder_layers
     prefix = [0.0]
-    for c in costs:
+    for c in [enc] * model.encoder_layers + [dec] * model.decoder_layers:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: the smallest possible maximum stage cost cutting the first i layers into k stages.
-    best = [[inf] * (n + 1) for _ in range(pp + 1)]
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
+    prefix = np.array(prefix)
+    previous = np.full(n + 1, np.inf)  # best[k-1][j]; best[0][j] = inf for j > 0: no stage would hold them
+    previous[0] = 0.0
+    cuts = []  # cuts[k-1][i - k]: where stage k starts when the first i layers are cut into k stages
     for k in range(1, pp + 1):
-        for i in range(k, n - (pp - k) + 1):
-            for j in range(k - 1, i):
-                stage = prefix[i] - prefix[j] + (head if k == pp else 0.0)
-                value = max(best[k - 1][j], stage)
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    counts, i = [], n
+        extra, lo, top = (head if k == pp else 0.0), k - 1, n - (pp - k)  # stage k ends at i in [k, top]
+        i = np.arange(k, top + 1)
+        rising = previous[lo:top] + prefix[lo:top]  # nondecreasing in j
+        j = np.minimum(lo + np.searchsorted(rising, prefix[i] + extra, side="left"), i)  # i: no crossing
+        own_cost_before = prefix[i] - prefix[np.maximum(j - 1, 0)] + extra
+        j = j - ((j == i) | ((j > lo) & (own_cost_before <= previous[np.minimum(j, n)])))
+        current = np.full(n + 1, np.inf)
+        current[i] = np.maximum(previous[j], prefix[i] - prefix[j] + extra)
+        previous = current
+        cuts.append(j)
+    counts, end = [], n
     for k in range(pp, 0, -1):
-        j = cut[k][i]
-        counts.append(i - j)
-        i = j
+        start = int(cuts[k - 1][end - k])
+        counts.append(end - start)
+        end = start
     return counts[::-1]
 
 
