@@ -1,6 +1,6 @@
 """Is the data stream fast enough? Streamed target tokens/s against what training consumes.
 
-    python benchmarks/data_stream.py [--data DIR] [--workers 1] [--max-tokens 4096] [--steps 3] [--json]
+    python benchmarks/data_stream.py [--data DIR] [--workers 1] [--max-tokens 4096] [--steps 3] [--verify-rounds N] [--json]
 
 1. Stream: one epoch of ``TokenBatchStream`` over the training split of ``--data`` (a
    directory written by ``megaformer prepare``; without it the built-in corpus with
@@ -12,6 +12,9 @@
    embedding scaled by sqrt(d) that is also the output projection, label smoothing
    0.1, AdamW - on a batch of 32 x 30 tokens each side; one warm-up step, then the
    median of ``--steps`` steps: target tokens per second consumed.
+
+With ``--verify-rounds N``, N epochs each with and without the shards' sha256 check,
+alternating, give the cost of verification as a ratio of medians (``verify_rate_ratio``).
 
 The ratio stream / training should be at least 20: the stream must not be what
 training waits for. Both are measured in the same run (the machine drifts between runs).
@@ -39,10 +42,10 @@ D_MODEL, HEADS, D_FF, LAYERS, VOCAB, BATCH, LENGTH = 512, 8, 2048, 6, 8000, 32, 
 TARGET_RATIO = 20.0
 
 
-def stream_tokens_per_second(data: Path, workers: int, max_tokens: int) -> dict:
-    """One epoch of the training stream: target tokens/s, batches, padding share."""
+def stream_tokens_per_second(data: Path, workers: int, max_tokens: int, verify: bool = True) -> dict:
+    """One epoch of the training stream: target tokens/s, batches, padding share (``verify``: shard checksums)."""
     stream = TokenBatchStream(
-        data, "train", dp_rank=0, dp_size=1, max_tokens=max_tokens, num_workers=workers, repeat=False
+        data, "train", dp_rank=0, dp_size=1, max_tokens=max_tokens, num_workers=workers, repeat=False, verify=verify
     )
     tokens = slots = real = batches = 0
     started = time.perf_counter()
@@ -98,6 +101,20 @@ def train_tokens_per_second(steps: int) -> dict:
     return {"tokens_per_s": BATCH * LENGTH / step_time, "step_s": step_time}
 
 
+def verification_cost(data: Path, workers: int, max_tokens: int, rounds: int) -> dict:
+    """The stream's rate with the shards' sha256 checked against without, alternating epochs; medians and ratio."""
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for verify in (False, True):
+            rates[verify].append(stream_tokens_per_second(data, workers, max_tokens, verify)["tokens_per_s"])
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    return {
+        "verify_tokens_per_s": round(on, 1),
+        "no_verify_tokens_per_s": round(off, 1),
+        "verify_rate_ratio": round(on / off, 4),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, help="a prepared directory (default: the built-in corpus, 30000 pairs)")
@@ -105,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch and side (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=3, help="timed training steps (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--verify-rounds",
+        type=int,
+        default=0,
+        help="also time N epochs each with and without the shard checksums, alternating (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
@@ -113,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             if cli.main(["prepare", "--synthetic", "30000", "--out", str(data), "--quiet"]) != 0:
                 return 1
         stream = stream_tokens_per_second(data, args.workers, args.max_tokens)
+        cost = verification_cost(data, args.workers, args.max_tokens, args.verify_rounds) if args.verify_rounds else {}
     train = train_tokens_per_second(args.steps)
     ratio = stream["tokens_per_s"] / train["tokens_per_s"]
     if args.json:
@@ -129,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     "padding_waste": round(stream["padding_waste"], 4),
                     "train_step_s": round(train["step_s"], 3),
                     "data": str(args.data or "built-in corpus (30000 pairs)"),
+                    **cost,
                 }
             )
         )
@@ -143,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
             f"median step {train['step_s']:.2f}s)"
         )
         print(f"ratio:  {ratio:,.1f} (the stream should deliver at least {TARGET_RATIO:.0f}x what training consumes)")
+        if cost:
+            print(
+                f"verify: {cost['verify_tokens_per_s']:,.0f} target tokens/s with shard checksums, "
+                f"{cost['no_verify_tokens_per_s']:,.0f} without: {cost['verify_rate_ratio']:.3f}x "
+                f"(medians of {args.verify_rounds} alternating epochs)"
+            )
     return 0
 
 

@@ -51,7 +51,7 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
     from megaformer.parallel import DropoutRNG, ParallelContext
     from megaformer.parity import random_batch
     from megaformer.train.engine import build_engine
-    from megaformer.train.trainer import accumulate
+    from megaformer.train.step import accumulate
 
     rank = int(os.environ["RANK"])
     base = [

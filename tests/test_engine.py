@@ -119,7 +119,7 @@ def _accumulation_worker(zero_stage: int) -> int:
     from megaformer.parallel import DropoutRNG, ParallelContext
     from megaformer.train.engine import build_engine
     from megaformer.train.feed import MicroBatch
-    from megaformer.train.trainer import accumulate
+    from megaformer.train.step import accumulate
 
     # Adam's eps is raised from 1e-9: with 1e-9 an element whose gradient is ~1e-9 moves by
     # ~lr whatever its sign, so the rounding noise of a different summation order (two

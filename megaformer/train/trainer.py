@@ -14,7 +14,7 @@ which places and writes them.
 
 Validation (every ``train.eval_interval`` steps, and at the last step) computes the loss
 over the valid split and greedy BLEU on its first ``train.eval_bleu_sentences`` sentences
-(:mod:`megaformer.train.valid_bleu`). When BLEU beats the best so far, that step is saved
+(:class:`megaformer.train.validation.Validation`). When BLEU beats the best so far, that step is saved
 (reason "best" if the schedule did not save it) and named in ``RUN/checkpoints/best``,
 which pruning keeps, as fairseq's ``--eval-bleu`` keeps ``checkpoint_best.pt``.
 """
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -34,91 +32,23 @@ from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.shards import manifest_path, read_manifest
 from megaformer.data.stream import TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
-from megaformer.decode.beam import SearchSettings
 from megaformer.errors import CheckpointError, ConfigError, TrainingError
 from megaformer.info import model_info
 from megaformer.model import Transformer
-from megaformer.parallel import DropoutRNG, ParallelContext, vocab_parallel_cross_entropy
-from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
+from megaformer.parallel import DropoutRNG, ParallelContext
+from megaformer.pipeline.schedule import Pipeline
 from megaformer.pipeline.split import plan_stages
-from megaformer.pipeline.stage import StageBatch
 from megaformer.train import checkpoint as ckpt
 from megaformer.train.batching import plan_step
 from megaformer.train.device import configure_math, host_memory
 from megaformer.train.engine import Engine, build_engine
-from megaformer.train.feed import DataFeed, MicroBatch, stream_count
+from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.files import sha256_of
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.schedule import Cooldown, cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
-from megaformer.train.valid_bleu import BleuSample, bleu_skip_reason, load_bleu_sample, sample_bleu
-
-
-def accumulate(
-    engine: Engine,
-    micro: Sequence[MicroBatch],
-    tokens: float,
-    label_smoothing: float,
-    dropout_of: Callable[[int], AbstractContextManager],
-) -> torch.Tensor:
-    """Back-propagate each micro-batch of one optimizer step and step; returns this rank's summed loss.
-
-    ``tokens``: the step's target tokens summed over the DP group. Each micro-batch's
-    summed loss is scaled by ``accumulation x dp / tokens``: DeepSpeed divides by the
-    accumulation steps and averages over DP, so the update follows the mean loss per
-    target token of the whole step. ``dropout_of(stream)`` switches the model's dropout
-    streams to those of the data stream a micro-batch came from. The loss stays on the
-    device (no host synchronisation per micro-batch).
-    """
-    if len(micro) != engine.accumulation:
-        raise RuntimeError(f"{len(micro)} micro-batches for an accumulation of {engine.accumulation}")
-    scale = engine.accumulation * engine.ctx.dp_size / tokens
-    loss_sum = torch.zeros((), dtype=torch.float32, device=engine.ctx.device)
-    for i, m in enumerate(micro):
-        b = m.batch.to(engine.ctx.device)
-        with dropout_of(m.stream):
-            loss, _ = engine.module.loss(b.src, b.tgt_in, b.tgt_out, label_smoothing)
-            engine.backward(loss * scale)
-        if i == len(micro) - 1:
-            engine.note_grad_norm()
-        engine.step()
-        loss_sum += loss.detach().float()
-    return loss_sum
-
-
-def pipeline_step(
-    engine: Engine, pipeline: Pipeline, feed: DataFeed, micro: Sequence[MicroBatch], tokens: float, t
-) -> torch.Tensor:
-    """One optimizer step through this rank's pipeline stage; the stage's summed loss (0 off the last stage).
-
-    Every backward of the step runs before the one optimizer step (the pipeline's
-    transfers must all be done before the step's collectives over the stages), so the
-    engine is told which backward is the step's last.
-    """
-    scale = engine.accumulation * engine.ctx.dp_size / tokens
-    seen: dict[int, int] = {}
-    batches = []
-    for m in micro:
-        index = seen.get(m.stream, 0)
-        seen[m.stream] = index + 1
-        b = m.batch.to(engine.ctx.device)
-        batch = StageBatch.of(b.src, b.tgt_in, b.tgt_out, engine.module)
-        batches.append(PipeMicroBatch(batch, pipeline.dropout_state(feed.dropout[m.stream], index)))
-    done = 0
-
-    def backward(scalar: torch.Tensor, scaled: bool) -> None:
-        nonlocal done
-        done += 1
-        engine.set_boundary(done == len(batches))
-        engine.backward(scalar, scale_wrt_gas=scaled)
-
-    loss = pipeline.train_step(batches, scale, t.label_smoothing, backward, engine.loss_scale())
-    for stream, count in seen.items():
-        pipeline.advance(feed.dropout[stream], count)
-    engine.note_grad_norm()
-    engine.step()
-    pipeline.sync_embedding()
-    return loss
+from megaformer.train.step import accumulate, pipeline_step
+from megaformer.train.validation import Validation
 
 
 class Trainer:
@@ -180,7 +110,7 @@ class Trainer:
         self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
         self.tokens, self.train_seconds = 0, 0.0
         self.best_bleu: float | None = None  # the best validation BLEU so far
-        self.bleu_sample = self._bleu_sample()
+        self.validation = Validation(cfg, ctx, self.model, self.pipeline, self._stream, self.has_valid, self.log)
         if saved:
             self._load(self.start_dir)
         if self.pipeline is not None:
@@ -204,21 +134,6 @@ class Trainer:
                 self.log(f"train: no checkpoint under {self.run_dir}, starting from scratch")
             return found
         return ckpt.resolve_checkpoint(resume, log=self.log)
-
-    def _bleu_sample(self) -> BleuSample | None:
-        """The valid sentences BLEU is computed on during training, or None (said once, with the reason)."""
-        cfg = self.cfg
-        if not cfg.train.eval_interval:
-            return None
-        reason = bleu_skip_reason(
-            cfg.train.eval_bleu_sentences, self.has_valid, self.ctx.pp_size, self.model.sequence_parallel
-        )
-        sample = None
-        if reason is None:
-            sample = load_bleu_sample(cfg.data.path, cfg.train.eval_bleu_sentences, cfg.model.max_positions)
-            reason = None if sample.sources else "the valid split holds no sentences"
-        self.log(f"train: validation BLEU {'off: ' + reason if reason else f'on {len(sample.sources)} sentences'}")
-        return sample if reason is None else None
 
     def _stream(self, index: int, count: int, split: str = "train") -> TokenBatchStream:
         """Training batches are cut to the step plan's size; validation batches to ``data.max_tokens``."""
@@ -257,12 +172,6 @@ class Trainer:
             if start < 0 or length < 1:
                 raise ValueError(f"cooldown {cooldown}: needs a start >= 0 and a length >= 1")
             cooldown = Cooldown(start, length)
-            if not self.cfg.train.cooldown_fraction:
-                self.log(
-                    f"train: train.cooldown_fraction=0: the checkpoint's cool-down (updates {start}..{start + length}) "
-                    f"is dropped; the lr follows the plain schedule"
-                )
-                cooldown = None
         self.engine.set_cooldown(cooldown)
 
     def _load(self, step_dir: Path) -> None:
@@ -275,6 +184,12 @@ class Trainer:
                 f"{step_dir / 'meta.json'}: run.trainer is malformed ({type(err).__name__}: {err}); "
                 f"resume from another checkpoint"
             ) from None
+        if (cooldown := self.engine.cooldown) is not None and not self.cfg.train.cooldown_fraction:
+            self.log(
+                f"train: train.cooldown_fraction=0: the checkpoint's cool-down (updates {cooldown.start}.."
+                f"{cooldown.end}) is dropped; the lr follows the plain schedule"
+            )
+            self.engine.set_cooldown(None)
         same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
         self.feed.load_state_dict(
             {
@@ -369,37 +284,6 @@ class Trainer:
                 f"fp16 without enough loss-scale headroom; resume from the last checkpoint with a lower lr_scale"
             )
         return loss_sum / self.ctx.layout.tp, 0.0 if skipped else tokens, flags
-
-    @torch.no_grad()
-    def validate(self) -> dict | None:
-        """Validation loss (label-smoothed, as trained) and perplexity (plain NLL) over the valid split."""
-        if not self.has_valid:
-            return None
-        self.model.eval()
-        stream = self._stream(self.ctx.dp_rank, self.ctx.dp_size, "valid")
-        pad_id, sums = self.model.pad_id, [0.0, 0.0, 0.0]
-        for batch in stream:
-            b = batch.to(self.ctx.device)
-            padded = StageBatch.of(b.src, b.tgt_in, b.tgt_out, self.model)  # sequence parallelism splits evenly
-            if self.pipeline is None:
-                logits = self.model(padded.src, padded.tgt_in)
-            elif (logits := self.pipeline.forward_only(padded)) is None:
-                continue  # not the last stage: it adds nothing, the last stage's TP ranks add the sums
-            logits = logits.flatten(0, 1)
-            args = (padded.tgt_out.flatten(), self.ctx.tp, self.cfg.data.vocab_size)
-            smoothed = vocab_parallel_cross_entropy(logits, *args, self.cfg.train.label_smoothing, pad_id).sum()
-            nll = vocab_parallel_cross_entropy(logits, *args, 0.0, pad_id).sum()
-            sums[0] += smoothed.item()
-            sums[1] += nll.item()
-            sums[2] += b.tgt_tokens
-        loss, nll, tokens = (v / self.ctx.layout.tp for v in self._world_sum(sums))
-        ppl = math.exp(min(nll / tokens, 50.0))
-        result = {"loss": loss / tokens, "nll": nll / tokens, "ppl": ppl, "tokens": int(tokens)}
-        if self.bleu_sample is not None:
-            settings = SearchSettings.from_config(self.cfg.decode, beam=1)
-            result |= sample_bleu(self.model, self.bleu_sample, settings, self.cfg.decode.max_tokens, self.ctx)
-        self.model.train()
-        return result
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -547,7 +431,7 @@ class Trainer:
     def _validate(self, logger: MetricsLogger, step: int) -> bool:
         """Validate, log; True when BLEU beats the best so far (it becomes the best; every rank agrees)."""
         self._validated = step
-        result = self.validate()
+        result = self.validation.run()
         if result is None:
             return False
         logger.log({"step": step, **result}, prefix="valid")

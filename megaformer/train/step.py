@@ -1,0 +1,87 @@
+"""One optimizer step of the training loop: back-propagate a step's micro-batches, then step.
+
+Without pipeline stages (:func:`accumulate`) each micro-batch runs forward and backward
+in turn; with them (:func:`pipeline_step`) the 1F1B schedule of
+:mod:`megaformer.pipeline.schedule` runs every micro-batch of the step before the one
+optimizer step. Both scale each micro-batch's summed loss by ``accumulation x dp /
+tokens`` (see :mod:`megaformer.train.trainer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import torch
+
+from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
+from megaformer.pipeline.stage import StageBatch
+from megaformer.train.engine import Engine
+from megaformer.train.feed import DataFeed, MicroBatch
+
+
+def accumulate(
+    engine: Engine,
+    micro: Sequence[MicroBatch],
+    tokens: float,
+    label_smoothing: float,
+    dropout_of: Callable[[int], AbstractContextManager],
+) -> torch.Tensor:
+    """Back-propagate each micro-batch of one optimizer step and step; returns this rank's summed loss.
+
+    ``tokens``: the step's target tokens summed over the DP group. Each micro-batch's
+    summed loss is scaled by ``accumulation x dp / tokens``: DeepSpeed divides by the
+    accumulation steps and averages over DP, so the update follows the mean loss per
+    target token of the whole step. ``dropout_of(stream)`` switches the model's dropout
+    streams to those of the data stream a micro-batch came from. The loss stays on the
+    device (no host synchronisation per micro-batch).
+    """
+    if len(micro) != engine.accumulation:
+        raise RuntimeError(f"{len(micro)} micro-batches for an accumulation of {engine.accumulation}")
+    scale = engine.accumulation * engine.ctx.dp_size / tokens
+    loss_sum = torch.zeros((), dtype=torch.float32, device=engine.ctx.device)
+    for i, m in enumerate(micro):
+        b = m.batch.to(engine.ctx.device)
+        with dropout_of(m.stream):
+            loss, _ = engine.module.loss(b.src, b.tgt_in, b.tgt_out, label_smoothing)
+            engine.backward(loss * scale)
+        if i == len(micro) - 1:
+            engine.note_grad_norm()
+        engine.step()
+        loss_sum += loss.detach().float()
+    return loss_sum
+
+
+def pipeline_step(
+    engine: Engine, pipeline: Pipeline, feed: DataFeed, micro: Sequence[MicroBatch], tokens: float, t
+) -> torch.Tensor:
+    """One optimizer step through this rank's pipeline stage; the stage's summed loss (0 off the last stage).
+
+    Every backward of the step runs before the one optimizer step (the pipeline's
+    transfers must all be done before the step's collectives over the stages), so the
+    engine is told which backward is the step's last.
+    """
+    scale = engine.accumulation * engine.ctx.dp_size / tokens
+    seen: dict[int, int] = {}
+    batches = []
+    for m in micro:
+        index = seen.get(m.stream, 0)
+        seen[m.stream] = index + 1
+        b = m.batch.to(engine.ctx.device)
+        batch = StageBatch.of(b.src, b.tgt_in, b.tgt_out, engine.module)
+        batches.append(PipeMicroBatch(batch, pipeline.dropout_state(feed.dropout[m.stream], index)))
+    done = 0
+
+    def backward(scalar: torch.Tensor, scaled: bool) -> None:
+        nonlocal done
+        done += 1
+        engine.set_boundary(done == len(batches))
+        engine.backward(scalar, scale_wrt_gas=scaled)
+
+    loss = pipeline.train_step(batches, scale, t.label_smoothing, backward, engine.loss_scale())
+    for stream, count in seen.items():
+        pipeline.advance(feed.dropout[stream], count)
+    engine.note_grad_norm()
+    engine.step()
+    pipeline.sync_embedding()
+    return loss
