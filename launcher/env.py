@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from megaformer.errors import ConfigError
 
 LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what RankInfo.export sets
+MAX_HOSTS = 100_000  # more nodes than any cluster has: a node list naming more is refused before it is expanded
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,40 @@ def _split_top(text: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
+def _range_count(body: str, hostlist: str) -> int:
+    """How many values ``01-03,7`` holds (4), without making them; a malformed range is a ConfigError."""
+    count = 0
+    for part in body.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ConfigError(f"host list {hostlist!r}: bad range {part!r}")
+        if sep and int(hi) < int(lo):
+            raise ConfigError(f"host list {hostlist!r}: range {part!r} runs backwards")
+        count += int(hi) - int(lo) + 1 if sep else 1
+    return count
+
+
+def host_count(hostlist: str) -> int:
+    """How many hosts :func:`parse_hostlist` would name, counted without expanding the list."""
+    total = 0
+    for expr in _split_top(hostlist):
+        names = 1
+        for _, body in re.findall(r"([^\[\]]*)(?:\[([^\]]*)\])?", expr):
+            if body:
+                names *= _range_count(body, hostlist)
+        total += names
+    return total
+
+
+def _refuse_too_many(hostlist: str, count: int) -> None:
+    """``n[0-99999999]`` would be a hundred million names before anything could say it is wrong."""
+    if count > MAX_HOSTS:
+        raise ConfigError(
+            f"host list {hostlist!r} names {count:,} hosts, more than any cluster ({MAX_HOSTS:,}): "
+            f"check SLURM_STEP_NODELIST / SLURM_JOB_NODELIST"
+        )
+
+
 def _expand_range(body: str, hostlist: str) -> list[str]:
     """``01-03,7`` -> 01 02 03 7: each range keeps the width of its lower bound (zero padding)."""
     values: list[str] = []
@@ -92,7 +127,9 @@ def parse_hostlist(hostlist: str) -> list[str]:
     A range keeps the width of its lower bound (``[098-101]`` -> 098 099 100 101).
     With three or more bracket groups Slurm 22.05 uses an order of its own (``a[1-2]b[1-2]c[1-2]``:
     a1b1c1 a1b1c2 a2b1c1 ...); the hosts and the first host (the master) are the same.
+    A list of more than :data:`MAX_HOSTS` hosts is refused before it is expanded.
     """
+    _refuse_too_many(hostlist, host_count(hostlist))
     hosts: list[str] = []
     for expr in _split_top(hostlist):
         names = [""]
@@ -110,6 +147,11 @@ def expand_nodelist(nodelist: str, scontrol: str | None = None) -> list[str]:
     scontrol = scontrol if scontrol is not None else shutil.which("scontrol")
     if scontrol:
         try:
+            count = host_count(nodelist)
+        except ConfigError:  # a form of this SLURM version that only scontrol reads
+            count = 0
+        _refuse_too_many(nodelist, count)  # scontrol too would print every name of an absurd list
+        try:
             proc = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10)
             if proc.returncode == 0 and proc.stdout.split():
                 return proc.stdout.split()
@@ -125,6 +167,16 @@ def _int(env: dict, name: str) -> int:
         raise ConfigError(f"environment variable {name}={env.get(name)!r} is not an integer") from None
 
 
+def _port(env: dict, default: int) -> int:
+    """``MASTER_PORT`` if set (a TCP port, 1-65535), else ``default``."""
+    if "MASTER_PORT" not in env:
+        return default
+    port = _int(env, "MASTER_PORT")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"environment variable MASTER_PORT={port} is not a TCP port: set it in 1-65535, or unset it")
+    return port
+
+
 def detect(env: dict | None = None) -> RankInfo:
     """The rank description of this process (see the module docstring)."""
     env = dict(os.environ if env is None else env)
@@ -134,7 +186,7 @@ def detect(env: dict | None = None) -> RankInfo:
             _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
             _int(env, "WORLD_SIZE"),
             env.get("MASTER_ADDR", "127.0.0.1"),
-            _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
+            _port(env, 29500),
             "torchrun",
         )
     elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:
@@ -148,13 +200,13 @@ def detect(env: dict | None = None) -> RankInfo:
             _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
             _int(env, "SLURM_NTASKS") if "SLURM_NTASKS" in env else len(hosts),
             env.get("MASTER_ADDR", hosts[0]),
-            _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + job % 20000,
+            _port(env, 20000 + job % 20000),
             "slurm",
         )
     else:  # one process: a free port, so that two single-process runs on a machine do not collide
         from launcher.local import free_port
 
-        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else free_port()
+        port = _port(env, 0) or free_port()
         return RankInfo(0, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), port, "single")
     if not 0 <= info.rank < info.world_size or not 0 <= info.local_rank < info.world_size:
         raise ConfigError(

@@ -229,8 +229,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    ctx = ParallelContext.initialize(cfg.parallel, rank, world, int(os.environ.get("LOCAL_RANK", 0)))
+    from launcher.env import detect  # the rank, world size and master port the launcher set, checked
+
+    info = detect()
+    ctx = ParallelContext.initialize(cfg.parallel, info.rank, info.world_size, info.local_rank)
     try:
         report = check_parity(cfg, ctx, args.batch, args.src_len, args.tgt_len, args.micro_batches)
         if report is None:
@@ -274,7 +276,9 @@ def main(args: argparse.Namespace) -> int:
         _check_micro_batches(args.micro_batches, args.batch)  # before any process starts
     cfg.model.activation_checkpointing = False
     if "WORLD_SIZE" in os.environ:  # under torchrun / srun / the DeepSpeed launcher
-        given = int(os.environ["WORLD_SIZE"])
+        from launcher.env import detect
+
+        given = detect().world_size  # RANK, WORLD_SIZE and MASTER_PORT checked before any process group
         if given != world:
             raise ConfigError(
                 f"parity runs on exactly --tp x --pp = {world} processes; this launch has WORLD_SIZE={given}"
