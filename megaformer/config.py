@@ -227,29 +227,48 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             nested = {k: nested}
         _apply(cfg, nested, "")
     validate(cfg)
+    check_training_lengths(cfg)
     return cfg
+
+
+def check_training_lengths(cfg: Config) -> None:
+    """The longest training sentence (data.max_len tokens and its eos, or bos and its tokens) has a position.
+
+    Checked for a config a user gives (:func:`load_config`), not for one read back from a
+    checkpoint (:func:`from_dict`): decoding a model needs only its own model.max_positions.
+    """
+    need = cfg.data.max_len + 1
+    if cfg.model.max_positions < need:
+        raise ConfigError(
+            f"model.max_positions={cfg.model.max_positions} is below data.max_len={cfg.data.max_len} + 1: a "
+            f"training sentence of data.max_len tokens with its eos needs {need} positions; raise "
+            f"model.max_positions to at least {need} or lower data.max_len to {cfg.model.max_positions - 1}"
+        )
 
 
 # The range of every number in the config: (low, high, low excluded, high excluded); None = unbounded.
 # tests/test_config.py fails for a numeric field missing here, so a new setting cannot join unchecked.
 _INF = None
 RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
-    ("model", "d_model"): (1, _INF, False, False),
-    ("model", "d_ff"): (1, _INF, False, False),
-    ("model", "num_heads"): (1, _INF, False, False),
+    # Shapes: generous bounds (GPT-3's d_model is 12288) whose products (a 3 d x d projection, the
+    # vocabulary x d table) stay far inside an int64 count of elements, which `info` builds.
+    ("model", "d_model"): (1, 2**16, False, False),
+    ("model", "d_ff"): (1, 2**20, False, False),
+    ("model", "num_heads"): (1, 2**16, False, False),
     ("model", "encoder_layers"): (1, _INF, False, False),
     ("model", "decoder_layers"): (1, _INF, False, False),
     ("model", "dropout"): (0.0, 1.0, False, True),
     ("model", "attention_dropout"): (0.0, 1.0, False, True),
     ("model", "activation_dropout"): (0.0, 1.0, False, True),
     ("model", "layernorm_eps"): (0.0, 1.0, True, False),
-    ("model", "max_positions"): (2, _INF, False, False),  # bos + at least one token
+    ("model", "max_positions"): (2, 2**20, False, False),  # bos + at least one token
     ("parallel", "tp"): (1, _INF, False, False),
     ("parallel", "dp"): (0, _INF, False, False),  # 0 = world size / (tp x pp)
     ("parallel", "pp"): (1, _INF, False, False),
     ("parallel", "vocab_multiple"): (1, _INF, False, False),
-    ("parallel", "timeout_minutes"): (0, _INF, True, False),  # > 0: a collective may wait this long
-    ("data", "vocab_size"): (4, _INF, False, False),  # pad, unk, bos, eos
+    # > 0: a collective may wait this long; at most a week (Python's timedelta ends at 1.4e12 minutes)
+    ("parallel", "timeout_minutes"): (0, 7 * 24 * 60, True, False),
+    ("data", "vocab_size"): (4, 2**24, False, False),  # pad, unk, bos, eos
     ("data", "max_tokens"): (1, _INF, False, False),
     ("data", "max_len"): (1, _INF, False, False),
     ("data", "shuffle_buffer"): (0, _INF, False, False),  # 0 or 1 = no shuffling
@@ -282,8 +301,9 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("train", "peak_tflops"): (0.0, _INF, False, False),  # 0 = known table or measured
     ("decode", "beam"): (1, _INF, False, False),
     ("decode", "lenpen"): (0.0, _INF, False, False),
-    ("decode", "max_len_a"): (0.0, _INF, False, False),
-    ("decode", "max_len_b"): (0, _INF, False, False),
+    # a * source length + b in an int64; the output is capped at model.max_positions - 1 anyway
+    ("decode", "max_len_a"): (0.0, 1000.0, False, False),
+    ("decode", "max_len_b"): (0, 1_000_000, False, False),
     ("decode", "average_last"): (1, _INF, False, False),
     ("decode", "max_tokens"): (1, _INF, False, False),
 }
