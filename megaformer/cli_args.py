@@ -3,7 +3,7 @@
 argparse calls each ``type=`` function on the option's text; an
 :class:`argparse.ArgumentTypeError` becomes ``megaformer CMD: error: argument --x: ...``
 on one line with status 2 (see :class:`megaformer.cli.Parser`), before any file is read
-or any process started. Nothing here touches the file system beyond ``stat``.
+or any process started. Nothing here writes: the checks only ``stat`` paths and list folders.
 
 Rules (issue 14): a count or size has its range (``positive_int``, ``nonneg_int``,
 ``int_range``); a float is finite and in its range (``finite_float``; ``nan`` and
@@ -12,6 +12,12 @@ exist is a file or a directory as stated (``existing_file``, ``existing_dir``); 
 that will be written is not a directory and its folder exists (``new_file``).
 ``tests/test_cli_inputs.py`` walks every sub-parser and fails for an int or float
 option whose type is not one of these.
+
+Outputs never destroy inputs (issue 14): once the arguments are parsed, a command checks
+its outputs against what it reads with :func:`refuse_output_over_inputs` (an output that
+is an input, lies inside an input folder, or holds one) and, before it replaces a folder,
+:func:`refuse_to_replace` (never the working directory or a folder above it; ``--force``
+replaces an empty folder or one the same command made, never anything else).
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from megaformer.errors import ConfigError
 
 Checked = Callable[[str], object]
 
@@ -141,6 +149,73 @@ def new_dir(text: str) -> str:
                 raise argparse.ArgumentTypeError(f"{text}: {parent} is a file, not a directory")
             break
     return text
+
+
+# ---- outputs that must not destroy inputs ------------------------------------------------------------
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(path).expanduser().absolute().resolve()
+
+
+def overlap(out: str | Path, source: str | Path) -> str | None:
+    """How writing ``out`` touches ``source``: "is", "is inside" (a folder ``source``), "holds", or None."""
+    o, s = _resolved(out), _resolved(source)
+    if o == s or (o.exists() and s.exists() and os.path.samefile(o, s)):  # a hard link or a bind mount too
+        return "is"
+    if s in o.parents:
+        return "is inside"
+    if o in s.parents:
+        return "holds"
+    return None
+
+
+def refuse_output_over_inputs(
+    option: str, out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], what: str
+) -> None:
+    """ConfigError when ``out`` is one of ``inputs``, lies inside one, or holds one.
+
+    ``inputs`` are (name, path) pairs, e.g. ("--ref file", args.ref); None and "-"
+    (stdin, stdout) are skipped. ``what`` names the output in the advice ("hypotheses").
+    """
+    if str(out) == "-":
+        return
+    for name, source in inputs:
+        if source is None or str(source) == "-":
+            continue
+        relation = overlap(out, source)
+        if relation is not None:
+            raise ConfigError(
+                f"{option} {out} would overwrite the input: it {relation} the {name} {source}; write the {what} elsewhere"
+            )
+
+
+def refuse_to_replace(
+    option: str, out: str | Path, force: bool, made_here: Callable[[Path], bool], marker: str
+) -> None:
+    """ConfigError unless the existing ``out`` may be replaced by this command.
+
+    Never the working directory or a folder above it (whatever ``force`` says). An
+    existing non-empty ``out`` needs ``force``, and even then only an empty folder or
+    something this command made before (``made_here``, which looks for ``marker``) is
+    replaced: a folder of someone's own files is never emptied.
+    """
+    path, cwd = _resolved(out), Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        where = "the working directory" if path == cwd else f"a folder above the working directory {cwd}"
+        raise ConfigError(
+            f"{option} {out}: is {where}, which is never replaced; give a new name, e.g. {option} {Path(out) / 'new'}"
+        )
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if not force:
+        raise ConfigError(f"{option} {out}: already exists; choose another {option} or pass --force to replace it")
+    if not made_here(path):
+        kind = "a folder" if path.is_dir() else "a file"
+        raise ConfigError(
+            f"{option} {out}: {kind} that this command did not write (no {marker}); --force replaces only "
+            f"its own earlier output: choose another {option} or remove it yourself"
+        )
 
 
 for _fn, _kind in (

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
+import logging
 
 from sacrebleu.metrics import BLEU
 
-from megaformer.cli_args import existing_file, new_file
+from megaformer.cli_args import existing_file, new_file, refuse_output_over_inputs
 from megaformer.decode.evaluate import corpus_scores
 from megaformer.decode.translate import (
     add_search_arguments,
@@ -46,23 +46,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_search_arguments(parser)
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    """The hypotheses must not overwrite the test set they are scored against."""
-    if args.output and args.output != "-":
-        out = Path(args.output).resolve()
-        for option, path in (("--input", args.input), ("--ref", args.ref)):
-            if out == Path(path).resolve():
-                raise ConfigError(f"--output {args.output} is the {option} file: write the hypotheses elsewhere")
+def check_tokenizer(name: str) -> None:
+    """Build sacreBLEU's ``name`` tokenizer now, before any decoding: some need MeCab or a download.
+
+    ja-mecab and ko-mecab need extra packages; flores101, flores200, spBLEU-1K and spm
+    download a sentencepiece model on first use. sacreBLEU's own warnings are held back,
+    so a refusal is one line.
+    """
+    logger = logging.getLogger("sacrebleu")
+    level = logger.level
+    logger.setLevel(logging.ERROR + 10)
+    try:
+        BLEU(tokenize=name)
+    except Exception as err:  # ImportError/RuntimeError (MeCab), URLError/OSError (download)
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConfigError(
+            f"--tokenize {name}: sacreBLEU cannot build this tokenizer ({type(err).__name__}: {reason}); "
+            f"install what it needs (or fetch its model where the network is reachable) or choose another, "
+            f"e.g. --tokenize 13a"
+        ) from None
+    finally:
+        logger.setLevel(level)
 
 
 def main(args: argparse.Namespace) -> int:
-    _check_paths(args)
+    inputs = [("--input file", args.input), ("--ref file", args.ref)]
+    refuse_output_over_inputs("--output", args.output, inputs, "hypotheses")  # not the test set they are scored on
+    check_tokenizer(args.tokenize)
     sources, references = read_text_lines(args.input), read_text_lines(args.ref)
     if len(sources) != len(references):
         raise DataError(f"{args.input} has {len(sources)} lines but {args.ref} has {len(references)}")
     if not sources:
         raise DataError(f"{args.input} and {args.ref} hold no sentences: nothing to score")
     model, ckpt = open_model(args.ckpt, "evaluate")
+    refuse_output_over_inputs("--output", args.output, [("checkpoint", ckpt)], "hypotheses")
     settings = settings_from_args(args, model)
     hypotheses, seconds = translate_text(
         ckpt,

@@ -25,8 +25,16 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
-from megaformer.cli_args import existing_file, existing_path, finite_float, new_file, nonneg_int, positive_int
-from megaformer.config import ParallelConfig
+from megaformer.cli_args import (
+    existing_file,
+    existing_path,
+    finite_float,
+    int_range,
+    new_file,
+    positive_int,
+    refuse_output_over_inputs,
+)
+from megaformer.config import RANGES, ParallelConfig
 from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.decode.beam import Hypothesis, SearchSettings, search
 from megaformer.decode.loading import build_model, check_layout, load_model_file, load_tokenizer
@@ -34,6 +42,10 @@ from megaformer.errors import ConfigError, DataError, MegaformerError
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, ParallelContext
 from megaformer.train.checkpoint import Consolidated, resolve_checkpoint
+
+# The search options' bounds are the config's (decode.max_len_a, decode.max_len_b): beyond them
+# a * n + b no longer fits an int64, and the output is capped at model.max_positions - 1 anyway.
+MAX_LEN_A, MAX_LEN_B = RANGES[("decode", "max_len_a")][1], RANGES[("decode", "max_len_b")][1]
 
 # ---- text -----------------------------------------------------------------------------------
 
@@ -276,10 +288,11 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-len-a",
-        type=finite_float(0.0),
-        help="at most a * source length + b output tokens (default: decode.max_len_a)",
+        type=finite_float(0.0, MAX_LEN_A),
+        help="at most a * source length + b output tokens, and never more than model.max_positions - 1 "
+        "(default: decode.max_len_a)",
     )
-    parser.add_argument("--max-len-b", type=nonneg_int, help="(default: decode.max_len_b)")
+    parser.add_argument("--max-len-b", type=int_range(0, MAX_LEN_B), help="(default: decode.max_len_b)")
     parser.add_argument(
         "--max-tokens",
         type=positive_int,
@@ -325,8 +338,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    refuse_output_over_inputs("--output", args.output, [("--input file", args.input)], "translations")
     lines = read_text_lines(args.input)
     model, ckpt = open_model(args.ckpt, "translate")
+    refuse_output_over_inputs("--output", args.output, [("checkpoint", ckpt)], "translations")
     out, _ = translate_text(
         ckpt,
         model,
