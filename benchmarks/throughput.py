@@ -62,6 +62,7 @@ from torch import nn  # noqa: E402
 from megaformer.config import ModelConfig  # noqa: E402
 from megaformer.model import Transformer, sinusoidal_positions  # noqa: E402
 from megaformer.parallel import LOCAL, DropoutRNG  # noqa: E402
+from megaformer.train.device import cpu_bf16_missing  # noqa: E402
 
 D_MODEL, HEADS, D_FF, LAYERS = 512, 8, 2048, 6
 VOCAB, DROPOUT, LABEL_SMOOTHING = 8000, 0.1, 0.1
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         help="paper: nn.Transformer drops only what megaformer drops; everywhere: also attention and FFN activations",
     )
     p.add_argument("--compile", action="store_true", help="also time megaformer with its layers compiled")
+    p.add_argument(
+        "--emulated-bf16", action="store_true", help="run --dtype bf16 even where the CPU only emulates it (slow)"
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
@@ -242,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def log(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    if args.dtype == "bf16" and not args.emulated_bf16 and (missing := cpu_bf16_missing()) is not None:
+        print(
+            f"throughput: --dtype bf16 not measured: {missing}; use --dtype fp32 (or --emulated-bf16)", file=sys.stderr
+        )
+        return 3
 
     r = run(args.dtype, args.steps, args.warmup, args.reference_dropout, args.compile, log)
     if args.json:

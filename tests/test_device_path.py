@@ -1,6 +1,7 @@
 """The GPU path's host side, checked on a CPU: MFU peaks, TF32 set-up, pinned batches and async copies."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,21 @@ def test_pinned_stream_pins_every_batch_and_copies_without_blocking(tmp_path, mo
     copies.clear()
     batches[0].to("cpu")
     assert copies and not any(copies)
+
+
+def test_native_bf16_is_read_from_the_cpu_flags_and_onednns_isa_cap(tmp_path, monkeypatch):
+    from megaformer.train.device import cpu_bf16_missing
+
+    def cpuinfo(flags: str) -> Path:
+        path = tmp_path / f"cpuinfo-{len(flags)}"
+        path.write_text(f"processor\t: 0\nflags\t\t: fpu {flags}\n\nprocessor\t: 1\nflags\t\t: fpu {flags}\n")
+        return path
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert cpu_bf16_missing(cpuinfo("avx2 fma avx512f avx512_bf16")) is None
+    assert cpu_bf16_missing(cpuinfo("avx2 fma amx_bf16 amx_tile")) is None
+    assert "it has avx2" in cpu_bf16_missing(cpuinfo("avx2 fma"))
+    assert "it has avx512f" in cpu_bf16_missing(cpuinfo("avx2 avx512f"))
+    assert "no native bf16" in cpu_bf16_missing(tmp_path / "no-such-file")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in cpu_bf16_missing(cpuinfo("avx2 fma avx512f avx512_bf16"))

@@ -20,6 +20,38 @@ from pathlib import Path
 import torch
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+CPUINFO = Path("/proc/cpuinfo")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU instructions oneDNN runs bf16 matmuls with
+# ONEDNN_MAX_CPU_ISA values that keep oneDNN below its bf16 instructions (it emulates bf16 then).
+ISA_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
+    """The CPU's feature flags (the first processor's ``flags`` line), empty where unknown."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_missing(cpuinfo: Path = CPUINFO) -> str | None:
+    """None where this CPU computes bf16 matmuls natively; otherwise why not, in words (for a one-line message).
+
+    Without AVX512-BF16 or AMX-BF16, torch emulates bf16 in fp32 and rounds: correct, but
+    several times slower than fp32 itself.
+    """
+    flags = cpu_flags(cpuinfo)
+    have = [f for f in BF16_FLAGS if f in flags]
+    if not have:
+        vector = "avx512f" if "avx512f" in flags else "avx2" if "avx2" in flags else "no AVX2"
+        return f"this CPU has no native bf16 ({' or '.join(BF16_FLAGS)} missing; it has {vector})"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa in ISA_WITHOUT_BF16:
+        return f"ONEDNN_MAX_CPU_ISA={isa} keeps oneDNN from this CPU's {', '.join(have)}"
+    return None
 
 
 def configure_math(device: torch.device, precision: str) -> str:
