@@ -36,7 +36,9 @@ before torch is imported, :func:`megaformer.cli.host_memory_defaults`);
 
 ``--dtype bf16`` runs both models under ``torch.autocast("cpu", torch.bfloat16)``
 with fp32 weights and optimizer state (matmuls in bf16, losses in fp32), and
-compares them with the bf16 matmul peak.
+compares them with the bf16 matmul peak. On a CPU that only emulates bf16 (no
+AVX512-BF16 or AMX-BF16, or oneDNN capped below them by ``ONEDNN_MAX_CPU_ISA``) it
+says so in one line and exits with status 3; ``--emulated-bf16`` runs it anyway.
 """
 
 from __future__ import annotations
