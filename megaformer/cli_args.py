@@ -176,9 +176,10 @@ def refuse_output_over_inputs(
     """ConfigError when ``out`` is one of ``inputs``, lies inside one, or holds one.
 
     ``inputs`` are (name, path) pairs, e.g. ("--ref file", args.ref); None and "-"
-    (stdin, stdout) are skipped. ``what`` names the output in the advice ("hypotheses").
+    (stdin, stdout) are skipped, and so is an ``out`` of None or "-". ``what`` names the
+    output in the advice ("hypotheses").
     """
-    if str(out) == "-":
+    if out is None or str(out) == "-":
         return
     for name, source in inputs:
         if source is None or str(source) == "-":
