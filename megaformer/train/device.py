@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from megaformer.errors import ConfigError
+
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 CPUINFO = Path("/proc/cpuinfo")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU instructions oneDNN runs bf16 matmuls with
@@ -82,3 +84,16 @@ def host_memory(device: torch.device, thp_mode: Path = THP_MODE) -> str | None:
     if mode == "never":
         return "CPU tensors in 4 KiB pages: THP_MEM_ALLOC_ENABLE=1 but the kernel's transparent huge pages are off"
     return f"CPU tensors of 2 MiB or more in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: {mode})"
+
+
+def require_cpp_compiler() -> None:
+    """Inductor builds its CPU kernels with a C++ compiler; without one the first step would fail."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # Inductor raises its own error type, whose name differs between versions
+        raise ConfigError(
+            "train.compile: no C++ compiler for Inductor's CPU kernels (g++, or $CXX): "
+            "install one or set train.compile=false"
+        ) from exc

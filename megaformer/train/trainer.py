@@ -40,7 +40,7 @@ from megaformer.pipeline.schedule import Pipeline
 from megaformer.pipeline.split import plan_stages
 from megaformer.train import checkpoint as ckpt
 from megaformer.train.batching import plan_step
-from megaformer.train.device import configure_math, host_memory
+from megaformer.train.device import configure_math, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.files import sha256_of
@@ -78,22 +78,7 @@ class Trainer:
             self.log(f"train: {pages}")
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
         self.stages = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)
-        self.model = Transformer(
-            cfg.model,
-            cfg.data.vocab_size,
-            ctx.tp,
-            self.rng,
-            seed=t.seed,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            vocab_multiple=cfg.parallel.vocab_multiple,
-            pad_id=PAD_ID,
-            part=self.stages[ctx.pp_rank],
-        ).to(ctx.device)
-        if t.compile:
-            if ctx.device.type == "cpu":
-                _require_cpp_compiler()
-            self.model.compile_layers()
-            self.log("train: train.compile: the encoder and decoder layers run compiled (the first steps compile them)")
+        self.model = self._build_model()
         streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
         # The step stays within 10 % of train.tokens_per_step at any DP size (smaller micro-batches if needed).
         self.plan = plan_step(t.tokens_per_step, streams, cfg.data.max_tokens, cfg.data.max_len + 1)
@@ -115,6 +100,35 @@ class Trainer:
             self._load(self.start_dir)
         if self.pipeline is not None:
             self.pipeline.sync_embedding()
+        self._describe(streams)
+
+    # ---- set-up ---------------------------------------------------------------------------
+
+    def _build_model(self) -> Transformer:
+        """This rank's part of the model (its pipeline stage, its TP shard) on the run's device, compiled if asked."""
+        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
+        model = Transformer(
+            cfg.model,
+            cfg.data.vocab_size,
+            ctx.tp,
+            self.rng,
+            seed=t.seed,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            vocab_multiple=cfg.parallel.vocab_multiple,
+            pad_id=PAD_ID,
+            part=self.stages[ctx.pp_rank],
+        ).to(ctx.device)
+        if t.compile:
+            if ctx.device.type == "cpu":
+                require_cpp_compiler()
+            model.compile_layers()
+            self.log("train: train.compile: the encoder and decoder layers run compiled (the first steps compile them)")
+        return model
+
+    def _describe(self, streams: int) -> None:
+        """The run's shape in one line: size, layout, precision, micro-batches, run directory."""
+        ctx, t = self.ctx, self.cfg.train
+        if self.pipeline is not None:
             self.log(f"train: pipeline of {ctx.pp_size} stages: " + "; ".join(p.describe() for p in self.stages))
         self.log(
             f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} pp={ctx.pp_size} "
@@ -122,8 +136,6 @@ class Trainer:
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data streams, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
-
-    # ---- set-up ---------------------------------------------------------------------------
 
     def _resume_point(self, resume: str) -> Path | None:
         if resume == "none":
@@ -480,16 +492,3 @@ def _check_same_tokenizer(step_dir: Path, meta: dict, manifest: dict, allowed: b
             f"prepare the data with --spm {saved}, or pass --other-tokenizer to resume anyway"
         )
     log(f"train: --other-tokenizer: resuming {step_dir} on data made with another tokenizer of the same size")
-
-
-def _require_cpp_compiler() -> None:
-    """Inductor builds its CPU kernels with a C++ compiler; without one the first step would fail."""
-    from torch._inductor import cpp_builder
-
-    try:
-        cpp_builder.get_cpp_compiler()
-    except Exception as exc:  # Inductor raises its own error type, whose name differs between versions
-        raise ConfigError(
-            "train.compile: no C++ compiler for Inductor's CPU kernels (g++, or $CXX): "
-            "install one or set train.compile=false"
-        ) from exc
