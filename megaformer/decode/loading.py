@@ -57,10 +57,13 @@ def load_export(path: Path) -> Consolidated | None:
         return load_safetensors_export(path)
     if not (path.is_dir() and manifest.is_file()):
         return None
+    from megaformer.export.safetensors_format import field_of
+
     try:
-        kind = json.loads(manifest.read_text()).get("format")
-    except (OSError, ValueError, AttributeError):
+        record = json.loads(manifest.read_text())
+    except (OSError, ValueError):
         raise CheckpointError(f"{manifest}: unreadable export manifest") from None
+    kind = field_of(record, "format", str, manifest)  # a hand-edited field of the wrong type: one line naming it
     if kind == "megaformer-hf-marian-v1":
         from megaformer.export.hf import load_hf_export
 

@@ -11,20 +11,26 @@
 
 ``--ckpt`` takes a run directory (its newest complete checkpoint, announced when an older
 one is used), a step directory of any TP size, or a model file or export. The output is
-written beside PATH under a temporary name and renamed at the end; an existing PATH is
-replaced only with ``--force``, and never when it is (or holds) the input.
+written beside PATH under a temporary name and renamed at the end. Nothing read is ever
+written: PATH may not be, hold or lie inside the input (its step directory included). A
+PATH whose name says another format (``--format pt --out x.safetensors``) is refused. An
+existing PATH is replaced only with ``--force`` and only when an earlier export made it
+(an export directory, a megaformer ``.safetensors`` or ``.pt`` file) or it is an empty
+folder; never the working directory or a folder above it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import zipfile
 from pathlib import Path
 
-from megaformer.cli_args import existing_path
+from megaformer.cli_args import existing_path, overlap, refuse_output_over_inputs, refuse_to_replace
 from megaformer.export import ExportError
 
 FORMATS = ("safetensors", "hf", "ct2", "pt")
+MODEL_SUFFIXES = (".safetensors", ".pt", ".bin")  # names of one-file models, never of a directory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,27 +47,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="safetensors (default; pt when --out ends in .pt), hf (Hugging Face MarianMT), ct2 (CTranslate2), pt",
     )
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--force", action="store_true", help="replace an earlier export at --out")
 
 
 def output_kind(out: Path, fmt: str | None) -> tuple[str, bool]:
-    """(format, whether the output is a directory) for ``--out`` and ``--format``."""
+    """(format, whether the output is a directory) for ``--out`` and ``--format``; refuses a name of another format."""
     if fmt is None:
         fmt = "pt" if out.suffix == ".pt" else "safetensors"
     if fmt == "pt":
+        if out.suffix != ".pt":
+            raise ExportError(f"--out {out}: --format pt writes one megaformer model file: name it NAME.pt")
         return fmt, False
     if fmt == "safetensors":
+        if out.suffix in (".pt", ".bin"):
+            raise ExportError(
+                f"--out {out}: --format safetensors writes NAME.safetensors or a directory, not a {out.suffix} "
+                f"file: rename it, or use --format pt for NAME.pt"
+            )
         return fmt, out.suffix != ".safetensors"
-    if out.suffix in (".safetensors", ".pt", ".bin"):
+    if out.suffix in MODEL_SUFFIXES:
         raise ExportError(f"--out {out}: --format {fmt} writes a directory; give a directory name")
     return fmt, True
 
 
-def check_not_input(out: Path, ckpt: Path) -> None:
-    """Refuse an output that is the input or holds it: replacing it would destroy the input."""
-    o, c = out.resolve(), ckpt.resolve()
-    if o == c or o in c.parents:
-        raise ExportError(f"--out {out} is (or holds) the input {ckpt}: write the export elsewhere")
+def _is_run_dir(path: Path) -> bool:
+    from megaformer.train.checkpoint import STEP_DIR
+
+    return path.is_dir() and not STEP_DIR.match(path.name) and not (path / "megaformer-export.json").is_file()
+
+
+def check_not_input(out: Path, ckpt: Path, read: Path | None = None) -> None:
+    """Refuse an output that is, holds or lies inside what is read: ``ckpt`` and the step directory it resolves to.
+
+    Beside the checkpoints of a run directory is fine (``--ckpt RUN --out RUN/model.safetensors``);
+    inside a step directory or an export it is not.
+    """
+    inputs = [("input", read)] if read is not None and read != ckpt else []
+    if not (_is_run_dir(ckpt) and overlap(out, ckpt) == "is inside"):
+        inputs.append(("input", ckpt))
+    refuse_output_over_inputs("--out", out, inputs, "export")
+
+
+def made_by_export(path: Path) -> bool:
+    """An earlier output of ``export`` (what ``--force`` may replace): an export directory, or a model file of ours."""
+    from megaformer.export.safetensors_format import FORMAT, MANIFEST
+    from megaformer.train.checkpoint import CONSOLIDATED_FORMAT
+
+    if path.is_dir():
+        return (path / MANIFEST).is_file()
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt", device="cpu") as f:  # reads the header only
+                return (f.metadata() or {}).get("format") == FORMAT
+        if path.suffix == ".pt":  # a consolidated model names its format in its pickle (tensors lie apart)
+            with zipfile.ZipFile(path) as archive:
+                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                return bool(pickles) and CONSOLIDATED_FORMAT.encode() in archive.read(pickles[0])
+    except Exception:  # not a file of ours, whatever its library says
+        return False
+    return False
+
+
+def _resolve(ckpt: Path, log) -> Path:
+    """The step directory a run directory or a ``latest``/``best`` file names; any other ``ckpt`` as it is."""
+    from megaformer.train.checkpoint import POINTERS, resolve_checkpoint
+
+    if _is_run_dir(ckpt) or (ckpt.is_file() and ckpt.name in POINTERS):
+        return resolve_checkpoint(ckpt, log=log)
+    return ckpt
 
 
 def main(args: argparse.Namespace) -> int:
@@ -70,18 +125,19 @@ def main(args: argparse.Namespace) -> int:
     out, ckpt = Path(args.out), Path(args.ckpt)
     fmt, directory = output_kind(out, args.format)
     check_not_input(out, ckpt)
-    if out.exists() and not args.force:  # before reading a large checkpoint
-        raise ExportError(f"{out}: already exists; choose another --out or pass --force to replace it")
-    model = load_model_file(ckpt, log=lambda m: print(m, file=sys.stderr))
+    refuse_to_replace("--out", out, args.force, made_by_export, "no megaformer-export.json, no megaformer model")
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    read = _resolve(ckpt, log)
+    check_not_input(out, ckpt, read)
+    model = load_model_file(read, log=log)
     if fmt in ("hf", "ct2"):  # a command prints its own one-line result, not transformers' progress bars
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
     write_export(model, out, fmt, force=args.force)
     n = sum(t.numel() for t in model.model.values())
-    print(
-        f"export: wrote {out} ({fmt}, {n:,} values, step {model.meta.get('step')}) from {model.meta.get('source', ckpt)}"
-    )
+    step, source = model.meta.get("step"), model.meta.get("source", read)
+    print(f"export: wrote {out} ({fmt}, {n:,} values, step {step}) from {source}")
     return 0
 
 

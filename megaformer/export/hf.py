@@ -18,7 +18,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megaformer.config import from_dict, to_dict
+from megaformer.config import to_dict
 from megaformer.errors import CheckpointError
 from megaformer.export import ExportError
 from megaformer.export.marian import (
@@ -28,7 +28,7 @@ from megaformer.export.marian import (
     marian_config,
     to_marian_state,
 )
-from megaformer.export.safetensors_format import read_manifest, write_manifest
+from megaformer.export.safetensors_format import config_of, field_of, read_manifest, write_manifest
 from megaformer.parallel import padded_vocab_size
 from megaformer.train.checkpoint import Consolidated
 
@@ -107,10 +107,11 @@ def load_hf_export(folder: Path) -> Consolidated:
     from safetensors.torch import load_file
 
     manifest = read_manifest(folder)
+    source = folder / "megaformer-export.json"
+    cfg, vocab = config_of(manifest, source), field_of(manifest, "vocab_size", int, source)
+    meta = field_of(manifest, "meta", dict, source) if "meta" in manifest else {}
     try:
         state = load_file(str(folder / "model.safetensors"))
-        cfg = from_dict(manifest["config"])
-        vocab = int(manifest["vocab_size"])
     except Exception as err:  # a foreign or hand-edited directory
         raise CheckpointError(
             f"{folder}: cannot be read as a megaformer HF export ({type(err).__name__}: {err})"
@@ -120,5 +121,10 @@ def load_hf_export(folder: Path) -> Consolidated:
         params = from_marian_state(state, shell, padded_vocab_size(vocab, 1, cfg.parallel.vocab_multiple))
     except ExportError as err:
         raise CheckpointError(f"{folder}: {err}") from None
-    tokenizer = (folder / "source.spm").read_bytes()
-    return Consolidated(cfg, params, vocab, tokenizer, manifest.get("meta", {}))
+    try:
+        tokenizer = (folder / "source.spm").read_bytes()
+    except OSError as err:
+        raise CheckpointError(
+            f"{folder / 'source.spm'}: cannot be read ({err.strerror}): export the model again"
+        ) from None
+    return Consolidated(cfg, params, vocab, tokenizer, meta)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from megaformer.config import from_dict, to_dict
+from megaformer.config import Config, from_dict, to_dict
 from megaformer.data.corpus import file_sha256
-from megaformer.errors import CheckpointError
+from megaformer.errors import CheckpointError, ConfigError
 from megaformer.export import ExportError
 from megaformer.train.checkpoint import Consolidated
 
@@ -54,27 +54,49 @@ def staged_output(out: Path, force: bool, *, directory: bool) -> Iterator[Path]:
     """A temporary path beside ``out`` that becomes ``out`` when the block ends without an error.
 
     An existing ``out`` is an ExportError unless ``force``; it is replaced only once the
-    new output is complete. A failure removes the temporary path and leaves ``out`` as it was.
+    new output is complete. A failure removes the temporary path and leaves ``out`` as it
+    was; a folder that cannot be written (or a full disk) is an ExportError naming ``out``.
     """
+    shown, out = out, Path(os.path.abspath(out))  # "." or "x/.." has no name to put a temporary beside
     if out.exists() and not force:
-        raise ExportError(f"{out}: already exists; choose another --out or pass --force to replace it")
+        raise ExportError(f"{shown}: already exists; choose another --out or pass --force to replace it")
     if out.exists() and out.is_dir() != directory:
         kind = "a directory" if out.is_dir() else "a file"
-        raise ExportError(f"{out}: is {kind}; this format writes {'a directory' if directory else 'a file'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+        raise ExportError(f"{shown}: is {kind}; this format writes {'a directory' if directory else 'a file'}")
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    _remove(tmp)
-    if directory:
-        tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)
+        if directory:
+            tmp.mkdir()
+    except OSError as err:
+        raise ExportError(
+            f"{out}: cannot write there ({err.strerror or err}): choose a --out in a writable folder"
+        ) from None
     try:
         yield tmp
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        _remove(old)
+        _replace(tmp, out)
+    except OSError as err:
+        raise ExportError(
+            f"{shown}: writing failed ({err.strerror or err}); nothing was replaced: free space there or choose "
+            f"another --out"
+        ) from None
     finally:
         _remove(tmp)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an existing ``out`` is set aside first and put back if the rename fails."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if old.exists():
+            os.replace(old, out)
+        raise
+    _remove(old)
 
 
 def _remove(path: Path) -> None:
@@ -101,16 +123,61 @@ def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     try:
         manifest = json.loads(path.read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError) as err:
         raise CheckpointError(f"{path}: unreadable export manifest ({type(err).__name__}: {err})") from None
-    for name, info in files.items():
+    files = field_of(manifest, "files", dict, path)
+    for name in files:
+        entry = field_of(files, name, dict, path, f"files.{name}")
+        size = field_of(entry, "bytes", int, path, f"files.{name}.bytes")
+        digest = field_of(entry, "sha256", str, path, f"files.{name}.sha256")
         f = folder / name
+        if Path(name).name != name:
+            raise CheckpointError(f"{path}: lists {name!r}, which is not a file of this folder (edited by hand?)")
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in {MANIFEST} but missing")
-        if f.stat().st_size != info["bytes"] or file_sha256(f) != info["sha256"]:
+        if f.stat().st_size != size or file_sha256(f) != digest:
             raise CheckpointError(f"{f}: content does not match the sha256 in {MANIFEST} (damaged or edited)")
     return manifest
+
+
+def field_of(record: object, key: str, kind: type, source: Path, name: str | None = None) -> object:
+    """``record[key]`` if ``record`` is a JSON object holding a ``kind`` there, else a CheckpointError naming
+    ``source`` and the field (``name``, default ``key``): a hand-edited manifest is one line, not a KeyError."""
+    name = name or key
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{source}: expected a JSON object holding {name!r}, got {type(record).__name__}")
+    if key not in record:
+        raise CheckpointError(f"{source}: lacks the field {name!r} (edited, or not written by megaformer export)")
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise CheckpointError(
+            f"{source}: field {name!r} is {_json_kind(value)} {value!r:.40}, expected {_json_kind(kind)} "
+            f"(edited by hand?): export the model again"
+        )
+    return value
+
+
+def _json_kind(value: object) -> str:
+    """A JSON value's kind as a reader of the file says it: "an object", "a string" ..."""
+    kind = value if isinstance(value, type) else type(value)
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+    }
+    return names.get(kind, "null" if value is None else kind.__name__)
+
+
+def config_of(record: object, source: Path, key: str = "config") -> Config:
+    """The megaformer config stored under ``key``; a CheckpointError naming ``source`` and the key if it is not one."""
+    values = field_of(record, key, dict, source)
+    try:
+        return from_dict(values)
+    except ConfigError as err:
+        raise CheckpointError(f"{source}: field {key!r}: {err}") from None
 
 
 def save_safetensors_file(path: Path, model: Consolidated) -> None:
@@ -127,7 +194,10 @@ def save_safetensors_file(path: Path, model: Consolidated) -> None:
     }
     if model.tokenizer:
         metadata["tokenizer"] = base64.b64encode(model.tokenizer).decode("ascii")
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as err:  # safetensors reports a full disk or an unwritable folder as its own error type
+        raise OSError(" ".join(str(err).split())) from None
 
 
 def load_safetensors_file(path: Path) -> Consolidated:
@@ -146,14 +216,33 @@ def load_safetensors_file(path: Path) -> Consolidated:
         )
     if tensors_sha256(tensors) != metadata.get("tensors_sha256"):
         raise CheckpointError(f"{path}: tensor bytes do not match the sha256 in its header (damaged or edited)")
-    tokenizer = metadata.get("tokenizer")
-    return Consolidated(
-        from_dict(json.loads(metadata["config"])),
-        tensors,
-        int(metadata["vocab_size"]),
-        base64.b64decode(tokenizer) if tokenizer else None,
-        json.loads(metadata.get("meta", "{}")),
-    )
+    header = {key: _header_json(metadata, key, path) for key in ("config", "meta")}
+    vocab = _header_int(metadata, "vocab_size", path)
+    meta = field_of(header, "meta", dict, path)
+    try:
+        tokenizer = base64.b64decode(metadata["tokenizer"], validate=True) if metadata.get("tokenizer") else None
+    except (ValueError, TypeError):
+        raise CheckpointError(f"{path}: header field 'tokenizer' is not base64 (edited by hand?)") from None
+    return Consolidated(config_of(header, path), tensors, vocab, tokenizer, meta)
+
+
+def _header_json(metadata: dict, key: str, path: Path) -> object:
+    """A JSON field of a safetensors header (``meta`` may be absent: ``{}``)."""
+    if key not in metadata and key == "meta":
+        return {}
+    try:
+        return json.loads(metadata[key])
+    except KeyError:
+        raise CheckpointError(f"{path}: header lacks the field {key!r} (not written by megaformer export)") from None
+    except ValueError:
+        raise CheckpointError(f"{path}: header field {key!r} is not JSON (edited by hand?)") from None
+
+
+def _header_int(metadata: dict, key: str, path: Path) -> int:
+    text = metadata.get(key)
+    if not isinstance(text, str) or not text.isdigit():
+        raise CheckpointError(f"{path}: header field {key!r} is {text!r:.40}, expected a count (edited by hand?)")
+    return int(text)
 
 
 def write_safetensors_dir(folder: Path, model: Consolidated) -> None:
