@@ -17,7 +17,9 @@ judge the plain segmentation, and a sampled one that breaks them is replaced by 
 
 The output is built in ``DIR.tmp-XXXX`` next to ``DIR`` and renamed into place at the
 end: an interrupted run leaves no ``DIR`` (and never one with a manifest). An existing
-non-empty ``DIR`` is replaced only with ``--force``. The same inputs and ``--seed`` give
+non-empty ``DIR`` is replaced only with ``--force``, and only when an earlier prepare
+wrote it (its manifest.json): never a folder of other files, the working directory, a
+folder above it, or a folder holding an input. The same inputs and ``--seed`` give
 byte-identical shards, tokenizer and manifest.
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -35,7 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
-from megaformer.cli_args import existing_file, finite_float, int_range, new_dir, nonneg_int, positive_int
+from megaformer.cli_args import (
+    existing_file,
+    finite_float,
+    int_range,
+    new_dir,
+    nonneg_int,
+    positive_int,
+    refuse_output_over_inputs,
+    refuse_to_replace,
+)
 from megaformer.config import DataConfig
 from megaformer.data.corpus import (
     FilterSettings,
@@ -424,22 +436,20 @@ class Preparation:
         }
 
 
-def _check_inputs_outside(out: Path, args: argparse.Namespace) -> None:
-    """``--force`` replaces DIR: refuse a DIR that holds one of this call's inputs (it would be deleted)."""
-    for option, value in [("--train", t) for t in args.train] + [
-        ("--valid", args.valid),
-        ("--test", args.test),
-        ("--spm", args.spm),
-    ]:
-        if value and out.resolve() in Path(value).absolute().resolve().parents:
-            raise DataError(f"--out {out} holds the input {option} {value}: write the prepared data elsewhere")
+def _made_by_prepare(folder: Path) -> bool:
+    """A folder written by an earlier ``prepare``: it holds a manifest.json of our format."""
+    try:
+        return json.loads((folder / "manifest.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise DataError(f"{out}: exists and is not empty; pass --force to replace it")
+def _check_out(out: Path, args: argparse.Namespace) -> None:
+    """DIR holds no input (``--force`` would delete it) and is new, empty, or an earlier prepare's output."""
+    inputs = [("input --train", t) for t in args.train]
+    inputs += [("input --valid", args.valid), ("input --test", args.test), ("input --spm", args.spm)]
+    refuse_output_over_inputs("--out", out, inputs, "prepared data")
+    refuse_to_replace("--out", out, args.force, _made_by_prepare, "no manifest.json of megaformer prepare")
 
 
 def _put_in_place(work: Path, out: Path) -> None:
@@ -458,20 +468,15 @@ def main(args: argparse.Namespace) -> int:
         raise DataError("--synthetic generates its own corpus: do not also give --train")
     if args.synthetic is None and not args.train:
         raise DataError("give at least one --train PREFIX (or --synthetic N for the built-in corpus)")
-    if args.synthetic is not None and args.synthetic < 1:
-        raise DataError(f"--synthetic must be at least 1, got {args.synthetic}")
     if args.vocab_size is None:
         args.vocab_size = SYNTHETIC_VOCAB if args.synthetic is not None else DataConfig().vocab_size
-    if args.vocab_size < 8:
-        raise DataError(f"--vocab-size must be at least 8, got {args.vocab_size}")
     if args.bpe_copies > 1 and args.bpe_dropout == 0:
         raise DataError(
             f"--bpe-copies {args.bpe_copies} without --bpe-dropout would store one segmentation "
             f"{args.bpe_copies} times: give --bpe-dropout P (0.1 is the usual value) or leave --bpe-copies out"
         )
     out = Path(args.out).absolute()
-    _check_out(out, args.force)
-    _check_inputs_outside(out, args)
+    _check_out(out, args)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
@@ -483,7 +488,7 @@ def main(args: argparse.Namespace) -> int:
             train, valid, test = [str(prefixes["train"])], str(prefixes["valid"]), str(prefixes["test"])
         started = time.monotonic()
         Preparation(args, work, out).run(train, valid, test)
-        _check_out(out, args.force)  # again: something may have appeared meanwhile
+        _check_out(out, args)  # again: something may have appeared meanwhile
         _put_in_place(work, out)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
