@@ -198,15 +198,14 @@ def refuse_to_replace(
 
     Never the working directory or a folder above it (whatever ``force`` says). An
     existing non-empty ``out`` needs ``force``, and even then only an empty folder or
-    something this command made before (``made_here``, which looks for ``marker``) is
-    replaced: a folder of someone's own files is never emptied.
+    something this command made before (``made_here``; ``marker`` says what it lacks
+    otherwise, e.g. "no manifest.json") is replaced: a folder of someone's own files is
+    never emptied.
     """
     path, cwd = _resolved(out), Path.cwd().resolve()
     if path == cwd or path in cwd.parents:
         where = "the working directory" if path == cwd else f"a folder above the working directory {cwd}"
-        raise ConfigError(
-            f"{option} {out}: is {where}, which is never replaced; give a new name, e.g. {option} {Path(out) / 'new'}"
-        )
+        raise ConfigError(f"{option} {out}: is {where}, which is never replaced: name a new folder or file instead")
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         return
     if not force:
@@ -214,8 +213,8 @@ def refuse_to_replace(
     if not made_here(path):
         kind = "a folder" if path.is_dir() else "a file"
         raise ConfigError(
-            f"{option} {out}: {kind} that this command did not write (no {marker}); --force replaces only "
-            f"its own earlier output: choose another {option} or remove it yourself"
+            f"{option} {out}: {kind} that this command did not write ({marker}), and --force replaces only "
+            f"its own earlier output or an empty folder: choose another {option} or remove it yourself"
         )
 
 
