@@ -21,7 +21,13 @@ from megaformer.config import from_dict
 from megaformer.decode.evaluate import average_checkpoints, last_checkpoints
 from megaformer.decode.translate import open_model
 from megaformer.errors import CheckpointError, ConfigError
-from megaformer.train.checkpoint import STEP_DIR, check_complete, resolve_checkpoint, save_consolidated
+from megaformer.train.checkpoint import (
+    STEP_DIR,
+    check_complete,
+    check_step_name,
+    resolve_checkpoint,
+    save_consolidated,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +79,7 @@ def main(args: argparse.Namespace) -> int:
         paths = [Path(p) for p in args.ckpt]
     _check_out(args.out, paths)
     model = average_checkpoints(paths, load=lambda p: open_model(p, "average")[0])
+    check_step_name(Path(args.out), model.meta.get("step"))  # not a step-N name that says another step
     try:
         save_consolidated(args.out, model)
     except OSError as err:

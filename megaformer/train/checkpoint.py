@@ -74,6 +74,16 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def check_step_name(path: Path, step: int | None, option: str = "--out") -> None:
+    """Refuse to write a checkpoint of ``step`` under a ``step-N`` name that says another step."""
+    named = STEP_DIR.match(Path(path).name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(
+            f"{option} {path}: its name says step {int(named.group(1))}, but what is written is step {step}: "
+            f"name it {step_dir_name(step) if step is not None else 'otherwise'} or use a name that is not step-N"
+        )
+
+
 def model_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
     """``model-tp00-of-02.pt``; a pipelined run's stages ``model-pp01-of-04-tp00-of-02.pt``."""
     stage = f"pp{pp_rank:02d}-of-{pp_size:02d}-" if pp_size > 1 else ""
@@ -116,6 +126,7 @@ def check_complete(step_dir: Path, verify: bool = False) -> dict:
             f"{step_dir}: its name says step {int(named.group(1))}, its meta.json step {meta['step']} "
             f"(renamed, or written there by hand): rename it {step_dir_name(meta['step'])} or move it out"
         )
+    _check_meta_types(meta, meta_path)
     for name, entry in meta["files"].items():
         f = step_dir / name
         if not f.is_file():
@@ -125,6 +136,31 @@ def check_complete(step_dir: Path, verify: bool = False) -> dict:
         if verify and sha256_of(f) != entry["sha256"]:
             raise CheckpointError(f"{f}: content does not match its sha256 in meta.json (the file is damaged)")
     return meta
+
+
+# The fields of meta.json that readers index, and the JSON kind each must be.
+META_TYPES = {"layout": dict, "rank_layout": dict, "config": dict, "vocab_size": int, "run": dict, "replicas": list}
+META_TYPES["files"] = dict
+
+
+def _check_meta_types(meta: dict, meta_path: Path) -> None:
+    """A hand-edited field of the wrong kind is one line naming it, not a KeyError or TypeError later."""
+
+    def expect(name: str, value: object, kind: type, least: int = 0) -> None:
+        if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < least):
+            floor = f" >= {least}" if kind is int else ""
+            raise CheckpointError(f"{meta_path}: {name} is {value!r:.40}, expected {kind.__name__}{floor} (edited?)")
+
+    for key, kind in META_TYPES.items():
+        expect(key, meta[key], kind, least=1)
+    for key, size in [(key, size) for key in ("layout", "rank_layout") for size in ("tp", "dp", "pp")]:
+        expect(f"{key}.{size}", meta[key].get(size, 1), int, least=1)
+    for key in ("config", "run", "files"):  # config sections; a value inside one is from_dict's to name
+        for name, entry in meta[key].items():
+            expect(f"{key}.{name}", entry, dict)
+    for name, entry in meta["files"].items():
+        expect(f"files.{name}.bytes", entry.get("bytes"), int)
+        expect(f"files.{name}.sha256", entry.get("sha256"), str)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

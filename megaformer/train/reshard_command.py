@@ -4,7 +4,8 @@ Nothing is destroyed (issue 14): the new step directory is written into a hidden
 temporary folder beside its destination and renamed into place only when complete.
 The destination must not exist yet, so the command never replaces a checkpoint, least
 of all its own input (``--ckpt RUN/checkpoints/step-N --out RUN/checkpoints`` names
-the input itself and is refused before anything is written).
+the input itself and is refused before anything is written), and a ``step-N`` output
+must be named for the step it holds (``latest`` and every reader trust the name).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def _stderr(message: str) -> None:
 
 def target_of(step_dir: Path, out: Path) -> Path:
     """Where the resharded copy of ``step_dir`` goes; refuses anything that would replace or nest in a checkpoint."""
-    from megaformer.train.checkpoint import STEP_DIR
+    from megaformer.train.checkpoint import STEP_DIR, check_complete, check_step_name
 
+    check_step_name(out, check_complete(step_dir)["step"])  # --out RUN/checkpoints/step-99999999 of step 20
     target = out if STEP_DIR.match(out.name) else out / step_dir.name
     here, there = step_dir.resolve(), target.resolve()
     if there == here:
