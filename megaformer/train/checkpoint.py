@@ -139,8 +139,7 @@ def check_complete(step_dir: Path, verify: bool = False) -> dict:
 
 
 # The fields of meta.json that readers index, and the JSON kind each must be.
-META_TYPES = {"layout": dict, "rank_layout": dict, "config": dict, "vocab_size": int, "run": dict, "replicas": list}
-META_TYPES["files"] = dict
+META_TYPES = dict(layout=dict, rank_layout=dict, config=dict, vocab_size=int, run=dict, replicas=list, files=dict)
 
 
 def _check_meta_types(meta: dict, meta_path: Path) -> None:
