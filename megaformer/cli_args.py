@@ -51,12 +51,10 @@ def int_range(lo: int | None = None, hi: int | None = None) -> Checked:
 
     def parse(text: str) -> int:
         value = _parse_int(text)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            if hi is None:
-                raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
-            if lo is None:
-                raise argparse.ArgumentTypeError(f"must be at most {hi}, got {value}")
-            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {value}")
+        if lo is not None and value < lo:  # the bound that was crossed
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        if hi is not None and value > hi:
+            raise argparse.ArgumentTypeError(f"must be at most {hi}, got {value}")
         return value
 
     parse.__name__ = "integer"  # argparse names the type in "invalid <name> value"
@@ -187,7 +185,8 @@ def refuse_output_over_inputs(
         relation = overlap(out, source)
         if relation is not None:
             raise ConfigError(
-                f"{option} {out} would overwrite the input: it {relation} the {name} {source}; write the {what} elsewhere"
+                f"{option} {out} would overwrite the input: it {relation} the {name} {source}; "
+                f"write the {what} elsewhere"
             )
 
 

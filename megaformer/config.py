@@ -250,25 +250,23 @@ def check_training_lengths(cfg: Config) -> None:
 # tests/test_config.py fails for a numeric field missing here, so a new setting cannot join unchecked.
 _INF = None
 RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
-    # Shapes: generous bounds (GPT-3's d_model is 12288) whose products (a 3 d x d projection, the
-    # vocabulary x d table) stay far inside an int64 count of elements, which `info` builds.
-    ("model", "d_model"): (1, 2**16, False, False),
-    ("model", "d_ff"): (1, 2**20, False, False),
-    ("model", "num_heads"): (1, 2**16, False, False),
+    ("model", "d_model"): (1, _INF, False, False),  # the largest weight is bounded by _check_shapes
+    ("model", "d_ff"): (1, _INF, False, False),
+    ("model", "num_heads"): (1, _INF, False, False),
     ("model", "encoder_layers"): (1, _INF, False, False),
     ("model", "decoder_layers"): (1, _INF, False, False),
     ("model", "dropout"): (0.0, 1.0, False, True),
     ("model", "attention_dropout"): (0.0, 1.0, False, True),
     ("model", "activation_dropout"): (0.0, 1.0, False, True),
     ("model", "layernorm_eps"): (0.0, 1.0, True, False),
-    ("model", "max_positions"): (2, 2**20, False, False),  # bos + at least one token
+    ("model", "max_positions"): (2, _INF, False, False),  # bos + at least one token
     ("parallel", "tp"): (1, _INF, False, False),
     ("parallel", "dp"): (0, _INF, False, False),  # 0 = world size / (tp x pp)
     ("parallel", "pp"): (1, _INF, False, False),
     ("parallel", "vocab_multiple"): (1, _INF, False, False),
     # > 0: a collective may wait this long; at most a week (Python's timedelta ends at 1.4e12 minutes)
     ("parallel", "timeout_minutes"): (0, 7 * 24 * 60, True, False),
-    ("data", "vocab_size"): (4, 2**24, False, False),  # pad, unk, bos, eos
+    ("data", "vocab_size"): (4, _INF, False, False),  # pad, unk, bos, eos
     ("data", "max_tokens"): (1, _INF, False, False),
     ("data", "max_len"): (1, _INF, False, False),
     ("data", "shuffle_buffer"): (0, _INF, False, False),  # 0 or 1 = no shuffling
@@ -337,7 +335,33 @@ def validate(cfg: Config) -> None:
             if bounds is None:  # a numeric setting without a declared range is a bug of ours, not of the user
                 raise AssertionError(f"config.RANGES has no entry for {section.name}.{f.name}")
             _check_range(f"{section.name}.{f.name}", value, bounds)
+    _check_shapes(cfg)
     _check_pipeline(cfg)
+
+
+MAX_WEIGHT = 2**40  # values in one weight: GPT-3's largest holds 6e8; past 2^63 bytes torch cannot even count them
+
+
+def _check_shapes(cfg: Config) -> None:
+    """No weight larger than :data:`MAX_WEIGHT` values (``info --set model.d_model=4000000000`` overflowed torch)."""
+    m, d = cfg.model, cfg.model.d_model
+    weights = [  # (the key to lower, its value, the weight, its values)
+        ("model.d_model", d, f"the attention projection (3 x {d} x {d})", 3 * d * d),
+        ("model.d_ff", m.d_ff, f"the feed-forward weight ({d} x {m.d_ff})", d * m.d_ff),
+        (
+            "data.vocab_size",
+            cfg.data.vocab_size,
+            f"the embedding ({cfg.data.vocab_size} x {d})",
+            cfg.data.vocab_size * d,
+        ),
+        ("model.max_positions", m.max_positions, f"the position table ({m.max_positions} x {d})", m.max_positions * d),
+    ]
+    key, value, weight, size = max(weights, key=lambda w: w[3])
+    if size > MAX_WEIGHT:
+        raise ConfigError(
+            f"{key}={value}: {weight} would hold {size:,} values, more than any model (2^40): lower {key}"
+            + (" or model.d_model" if key != "model.d_model" else "")
+        )
 
 
 def _check_pipeline(cfg: Config) -> None:

@@ -216,7 +216,7 @@ def test_force_replaces_what_the_command_made(run, world, tmp_path):
 ABSURD = [
     (TRANSLATE + ("--max-len-a", "1e300"), "argument --max-len-a: must be in [0.0, 1000.0]", {}),
     (EVALUATE + ("--max-len-a", "1e300"), "argument --max-len-a: must be in", {}),
-    (TRANSLATE + ("--max-len-b", "99999999999999999999"), "argument --max-len-b: must be in [0, 1000000]", {}),
+    (TRANSLATE + ("--max-len-b", "99999999999999999999"), "argument --max-len-b: must be at most 1000000", {}),
     (EVALUATE + ("--max-len-b", "99999999999999999999"), "argument --max-len-b", {}),
     (("info", "--config", TINY, "--set", "parallel.timeout_minutes=1e13"), "parallel.timeout_minutes=", {}),
     (("train", "--config", TINY, "--set", "parallel.timeout_minutes=1e13"), "must be in (0, 10080]", {}),
@@ -227,7 +227,8 @@ ABSURD = [
         {},
     ),
     (("train", "--config", TINY, "--set", "model.max_positions=64"), "raise model.max_positions to at least 65", {}),
-    (("info", "--config", TINY, "--set", "model.d_model=4000000000"), "model.d_model=4000000000: must be in", {}),
+    (("info", "--config", TINY, "--set", "model.d_model=4000000000"), "model.d_model=4000000000: the attention", {}),
+    (("info", "--config", TINY, "--set", "data.vocab_size=1e13"), "lower data.vocab_size or model.d_model", {}),
     (("info", "--config", TINY, "--set", "decode.max_len_b=1e20"), "decode.max_len_b=", {}),
     (
         ("train", "--config", TINY, "--run-dir", "{root}/train-run"),
