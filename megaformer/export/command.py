@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from megaformer.cli_args import existing_path, overlap, refuse_output_over_inputs, refuse_to_replace
@@ -110,7 +111,11 @@ def made_by_export(path: Path) -> bool:
     return False
 
 
-def _resolve(ckpt: Path, log) -> Path:
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def _resolve(ckpt: Path, log: Callable[[str], None]) -> Path:
     """The step directory a run directory or a ``latest``/``best`` file names; any other ``ckpt`` as it is."""
     from megaformer.train.checkpoint import POINTERS, resolve_checkpoint
 
@@ -123,13 +128,12 @@ def main(args: argparse.Namespace) -> int:
     from megaformer.decode.loading import load_model_file
 
     out, ckpt = Path(args.out), Path(args.ckpt)
-    fmt, directory = output_kind(out, args.format)
+    fmt, _ = output_kind(out, args.format)
     check_not_input(out, ckpt)
     refuse_to_replace("--out", out, args.force, made_by_export, "no megaformer-export.json, no megaformer model")
-    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    read = _resolve(ckpt, log)
+    read = _resolve(ckpt, _stderr)  # an older checkpoint used is announced
     check_not_input(out, ckpt, read)
-    model = load_model_file(read, log=log)
+    model = load_model_file(read, log=_stderr)
     if fmt in ("hf", "ct2"):  # a command prints its own one-line result, not transformers' progress bars
         from transformers.utils import logging as hf_logging
 
