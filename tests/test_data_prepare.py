@@ -255,8 +255,15 @@ def test_existing_output_needs_force(capsys: pytest.CaptureFixture, corpus: dict
     code, _, err = prepare(capsys, corpus, out)
     assert_one_line_error(code, err, "prepare", str(out), "--force")
     assert (out / "keep.txt").read_text() == "mine"
-    assert prepare(capsys, corpus, out, "--force")[0] == 0
-    assert not (out / "keep.txt").exists() and (out / "manifest.json").is_file()
+    # --force replaces only what prepare wrote (its manifest.json) or an empty folder: never other files
+    code, _, err = prepare(capsys, corpus, out, "--force")
+    assert_one_line_error(code, err, "prepare", str(out), "no manifest.json of megaformer prepare")
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert prepare(capsys, corpus, out, "--force")[0] == 0  # an empty folder
+    first = (out / "manifest.json").read_text()
+    assert prepare(capsys, corpus, out, "--force", "--seed", "7")[0] == 0  # its own earlier output
+    assert (out / "manifest.json").read_text() != first
     assert not [p for p in tmp_path.iterdir() if p.name != "data"]  # no .tmp- or .old- left
 
 
