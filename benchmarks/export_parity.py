@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from model_args import add_model_arguments, model_config, random_model  # noqa: E402
 
+from megaformer.checkpoint import Consolidated  # noqa: E402
 from megaformer.config import Config  # noqa: E402
 from megaformer.decode.beam import SearchSettings  # noqa: E402
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer  # noqa: E402
@@ -47,7 +48,6 @@ from megaformer.decode.translate import translate_ids  # noqa: E402
 from megaformer.export.command import write_export  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
 from megaformer.parallel import LOCAL, gather_full_state  # noqa: E402
-from megaformer.train.checkpoint import Consolidated  # noqa: E402
 
 EOS = 3
 
@@ -214,10 +214,10 @@ def reshard_check(ckpt: str, tmp: Path) -> dict:
     """Export of a TP>1 step directory vs export of the same checkpoint resharded to TP=1: bitwise weights."""
     from safetensors.torch import load_file
 
-    from megaformer.train.checkpoint import read_meta, reshard, resolve_checkpoint
+    from megaformer.checkpoint import check_complete, reshard, resolve_checkpoint
 
     step = resolve_checkpoint(Path(ckpt), log=lambda m: None)
-    tp = read_meta(step)["layout"]["tp"]
+    tp = check_complete(step)["layout"]["tp"]
     tp1 = reshard(step, tmp / "tp1", 1, log=print)
     out = {}
     for label, src in (("original", step), ("tp1", tp1)):

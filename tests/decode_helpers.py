@@ -98,8 +98,8 @@ def make_text_checkpoint(
 
     Returns {"final": path, step: path for each snapshot step}.
     """
+    from megaformer.checkpoint import Consolidated, save_consolidated
     from megaformer.data.tokenizer import train_bpe
-    from megaformer.train.checkpoint import Consolidated, save_consolidated
 
     rng = random.Random(seed)
     text = folder / "spm_train.txt"

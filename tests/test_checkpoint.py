@@ -14,10 +14,10 @@ import pytest
 import torch
 from decode_helpers import make_text_checkpoint, one_thread  # noqa: F401
 
+from megaformer import checkpoint as ckpt
 from megaformer import cli
 from megaformer.errors import CheckpointError
 from megaformer.parallel import ParallelContext
-from megaformer.train import checkpoint as ckpt
 
 
 def _write_step(root, step: int, model: ckpt.Consolidated, tokenizer) -> "os.PathLike":
@@ -80,9 +80,10 @@ def test_states_are_placed_and_read_back(run_dir):
     meta = json.loads((step_dir / "meta.json").read_text())
     assert meta["run"]["trainer"] == {"tokens": 7} and meta["replicas"] == [{"feed": {"streams": 1}}]
     assert all(len(e["sha256"]) == 64 and e["bytes"] > 0 for e in meta["files"].values())
+    from megaformer.config import from_dict
     from megaformer.model import shape_model
 
-    model = shape_model(ckpt.from_dict(meta["config"]), meta["vocab_size"])
+    model = shape_model(from_dict(meta["config"]), meta["vocab_size"])
     loaded = ckpt.load_checkpoint(step_dir, ParallelContext.single(), model)
     assert set(loaded.shard["param"]) == {n for n, _ in model.named_parameters()}
     assert all(torch.all(t == 0.5) for t in loaded.shard["exp_avg"].values())

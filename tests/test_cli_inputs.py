@@ -289,8 +289,8 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     """A consolidated model with its tokenizer, and a run directory holding it at steps 700 and 800 (TP=1)."""
+    from megaformer.checkpoint import CheckpointState, load_consolidated, save_checkpoint
     from megaformer.parallel import ParallelContext
-    from megaformer.train.checkpoint import CheckpointState, load_consolidated, save_checkpoint
 
     folder = tmp_path_factory.mktemp("text_run")
     model_path = make_text_checkpoint(folder, steps=2)["final"]

@@ -15,8 +15,8 @@ import torch
 from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
 
 from megaformer import cli
+from megaformer.checkpoint import Consolidated, load_consolidated, save_consolidated
 from megaformer.config import Config, ModelConfig
-from megaformer.train.checkpoint import Consolidated, load_consolidated, save_consolidated
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +152,9 @@ def test_average_is_the_elementwise_mean(files, run, tmp_path):
 
 def _training_run(folder, models: dict[int, Consolidated], tokenizer) -> None:
     """A run directory as the trainer writes it: one step directory per model, TP=1."""
+    from megaformer.checkpoint import CheckpointState, save_checkpoint
     from megaformer.config import to_dict
     from megaformer.parallel import ParallelContext
-    from megaformer.train.checkpoint import CheckpointState, save_checkpoint
 
     for step, m in models.items():
         save_checkpoint(

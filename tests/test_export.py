@@ -20,12 +20,12 @@ import torch
 from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
 
 from megaformer import cli
+from megaformer.checkpoint import CheckpointState, load_consolidated, reshard, save_checkpoint
 from megaformer.config import to_dict
 from megaformer.decode.beam import SearchSettings
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer
 from megaformer.decode.translate import translate_ids
 from megaformer.parallel import LOCAL
-from megaformer.train.checkpoint import CheckpointState, load_consolidated, reshard, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -317,7 +317,7 @@ def test_existing_output_needs_force_and_the_input_is_never_replaced(trained, tm
 def test_what_marian_cannot_express_is_refused(trained, tmp_path, capsys, setting, fragment):
     import dataclasses
 
-    from megaformer.train.checkpoint import save_consolidated
+    from megaformer.checkpoint import save_consolidated
 
     model = load_consolidated(trained["pt"])
     model.config.model = dataclasses.replace(model.config.model, **setting)

@@ -242,7 +242,7 @@ def test_resume_a_pipeline_at_another_pp(corpus, pp2_run, tmp_path, pp, tp):
 
 def test_fp16_overflow_on_one_stage_skips_every_stage(corpus, tmp_path):
     """An infinite gradient on stage 0 only: both stages skip the step (their weights stay as they were)."""
-    from megaformer.train.checkpoint import read_shard
+    from megaformer.checkpoint import read_shard
 
     run = tmp_path / "run"
     extra = (
@@ -270,8 +270,8 @@ def test_fp16_overflow_on_one_stage_skips_every_stage(corpus, tmp_path):
 
 
 def test_pipelined_checkpoint_exports_and_translates(pp2_run, tmp_path):
+    from megaformer.checkpoint import consolidate
     from megaformer.model.shape import shape_model
-    from megaformer.train.checkpoint import consolidate
 
     model = consolidate(pp2_run / "checkpoints" / "step-00000030")
     names = {n for n, _ in shape_model(model.config, model.vocab_size).named_parameters()}

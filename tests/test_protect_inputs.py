@@ -65,9 +65,9 @@ def tree_digest(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Everything the rows read: a model file, a run with step 20, its test set, a corpus, exports, someone's folder."""
+    from megaformer.checkpoint import CheckpointState, load_consolidated, save_checkpoint
     from megaformer.config import to_dict
     from megaformer.parallel import ParallelContext
-    from megaformer.train.checkpoint import CheckpointState, load_consolidated, save_checkpoint
 
     root = tmp_path_factory.mktemp("world")
     model_path = make_text_checkpoint(root, steps=2)["final"]

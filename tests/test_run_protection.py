@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 
 from megaformer import cli
+from megaformer.checkpoint import check_complete, find_latest, list_checkpoints, sha256_of
 from megaformer.data.shards import open_prepared, read_manifest, verify_split, write_manifest
 from megaformer.data.stream import TokenBatchStream
 from megaformer.errors import CheckpointError, ConfigError, DataError
-from megaformer.train.checkpoint import check_complete, find_latest, list_checkpoints
-from megaformer.train.files import sha256_of
 from megaformer.train.run_lock import LOCK_NAME, Holder, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -304,7 +304,7 @@ def test_resume_with_a_malformed_trainer_state_is_refused(corpus, dp2_run, tmp_p
 
 
 def test_reshard_and_export_commands(tp2_run, tmp_path):
-    from megaformer.train.checkpoint import check_complete, consolidate, load_consolidated
+    from megaformer.checkpoint import check_complete, consolidate, load_consolidated
 
     out = tmp_path / "tp4"
     ok(megaformer("reshard", "--ckpt", tp2_run, "--out", out, "--tp", 4))
@@ -441,7 +441,7 @@ def test_fp16_overflow_skips_and_lowers_scale(corpus, tmp_path):
     assert curve[7]["skipped_steps"] == 0 and curve[8]["skipped_steps"] == 1
     assert curve[8]["loss_scale"] == curve[7]["loss_scale"] / 2
     assert curve[8]["lr"] == curve[7]["lr"]  # the skipped step did not advance the schedule
-    from megaformer.train.checkpoint import consolidate
+    from megaformer.checkpoint import consolidate
 
     weights = consolidate(run / "checkpoints" / "step-00000025").model
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())

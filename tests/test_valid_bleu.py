@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 from test_train import common, losses, ok, train
 
+from megaformer import checkpoint as ckpt
 from megaformer.data.tokenizer import EOS_ID, Tokenizer
 from megaformer.errors import CheckpointError
-from megaformer.train import checkpoint as ckpt
 from megaformer.train.valid_bleu import _encode, bleu_skip_reason, load_bleu_sample
 
 # ---- without processes -------------------------------------------------------------------------------

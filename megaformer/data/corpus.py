@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megaformer.errors import DataError
+from megaformer.files import sha256_of
 
 # Every reason a training pair can be dropped, in the order the checks run.
 REJECT_REASONS: tuple[str, ...] = ("not_utf8", "empty", "duplicate", "too_long", "ratio")
@@ -57,15 +58,6 @@ def find_side(prefix: str | Path, lang: str) -> Path:
         if candidate.is_file():
             return candidate
     raise DataError(f"{plain}: no such file (nor {plain}.gz)")
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes as stored (a ``.gz`` file is hashed compressed)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_lines(path: Path) -> Iterator[bytes]:
@@ -166,8 +158,8 @@ class ParallelCorpus:
         if extra:
             self._mismatch(number, number + extra, longer_is_src=False)
         self.files = [
-            SourceFile(str(self.src_path.resolve()), self.langs[0], number, file_sha256(self.src_path)),
-            SourceFile(str(self.tgt_path.resolve()), self.langs[1], number, file_sha256(self.tgt_path)),
+            SourceFile(str(self.src_path.resolve()), self.langs[0], number, sha256_of(self.src_path)),
+            SourceFile(str(self.tgt_path.resolve()), self.langs[1], number, sha256_of(self.tgt_path)),
         ]
 
     def _mismatch(self, shorter: int, longer: int, *, longer_is_src: bool) -> None:

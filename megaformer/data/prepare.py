@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +61,7 @@ from megaformer.data.shards import FORMAT, VERSION, ShardWriter, token_dtype, wr
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG, write_synthetic_corpus
 from megaformer.data.tokenizer import Tokenizer, train_bpe
 from megaformer.errors import DataError
+from megaformer.files import atomic_output
 
 _ENCODE_CHUNK = 10000  # lines encoded per sentencepiece call
 SYNTHETIC_VOCAB = 1000
@@ -452,17 +451,6 @@ def _check_out(out: Path, args: argparse.Namespace) -> None:
     refuse_to_replace("--out", out, args.force, _made_by_prepare, "no manifest.json of megaformer prepare")
 
 
-def _put_in_place(work: Path, out: Path) -> None:
-    """Rename the finished ``work`` directory to ``out``, replacing what is there."""
-    if out.is_dir():
-        aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
-        os.rename(out, aside / out.name)
-        os.rename(work, out)
-        shutil.rmtree(aside)
-    else:
-        os.rename(work, out)
-
-
 def main(args: argparse.Namespace) -> int:
     if args.synthetic is not None and args.train:
         raise DataError("--synthetic generates its own corpus: do not also give --train")
@@ -477,9 +465,7 @@ def main(args: argparse.Namespace) -> int:
         )
     out = Path(args.out).absolute()
     _check_out(out, args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_output(out, replace=True) as work:  # the folder appears complete, or not at all
         train, valid, test = args.train, args.valid, args.test
         if args.synthetic is not None:
             args.src, args.tgt = SRC_LANG, TGT_LANG
@@ -489,10 +475,6 @@ def main(args: argparse.Namespace) -> int:
         started = time.monotonic()
         Preparation(args, work, out).run(train, valid, test)
         _check_out(out, args)  # again: something may have appeared meanwhile
-        _put_in_place(work, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     if not args.quiet:
         print(f"prepare: wrote {out} in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return 0

@@ -43,9 +43,9 @@ from webdataset.shardlists import expand_urls
 from webdataset.tariterators import group_by_keys, tar_file_expander
 from webdataset.writer import TarWriter
 
-from megaformer.data.corpus import file_sha256
 from megaformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from megaformer.errors import DataError
+from megaformer.files import sha256_of
 
 MANIFEST = "manifest.json"
 FORMAT = "megaformer-prepared"
@@ -112,7 +112,7 @@ class ShardWriter:
         if self._tar is not None and self._file is not None:
             self._tar.close()
             self._file.close()
-            self.shards[-1]["sha256"] = file_sha256(self.out_dir / self.shards[-1]["file"])
+            self.shards[-1]["sha256"] = sha256_of(self.out_dir / self.shards[-1]["file"])
             self._tar = self._file = None
 
     def close(self) -> dict:
@@ -125,7 +125,7 @@ class ShardWriter:
             "samples": len(self.lengths),
             "src_tokens": int(lengths[:, 0].sum()),
             "tgt_tokens": int(lengths[:, 1].sum()),
-            "lengths": {"file": lengths_name, "sha256": file_sha256(self.out_dir / lengths_name)},
+            "lengths": {"file": lengths_name, "sha256": sha256_of(self.out_dir / lengths_name)},
             "shards": self.shards,
         }
 
@@ -382,13 +382,13 @@ def open_prepared(
     if spm is not None and Path(spm).resolve() != own_model.resolve():
         if not Path(spm).is_file():
             raise DataError(f"{spm}: no such sentencepiece model")
-        given = file_sha256(spm)
+        given = sha256_of(spm)
         if given != tok["sha256"]:
             raise DataError(
                 f"{mpath} was made with tokenizer {own_model} (sha256 {tok['sha256'][:12]}), not with {spm} "
                 f"(sha256 {given[:12]}): use the model in that directory, or prepare the data again with --spm {spm}"
             )
-    elif file_sha256(own_model) != tok["sha256"]:
+    elif sha256_of(own_model) != tok["sha256"]:
         raise DataError(
             f"{own_model} is not the tokenizer {mpath} was made with (sha256 differs): prepare the data again"
         )
@@ -413,7 +413,7 @@ def _read_lengths(path: Path, entry: dict, mpath: Path) -> np.ndarray:
     """
     expected = entry["lengths"].get("sha256")
     try:
-        if isinstance(expected, str) and file_sha256(path) != expected:
+        if isinstance(expected, str) and sha256_of(path) != expected:
             raise DataError(
                 f"{path}: its bytes do not match the sha256 in {mpath} (the lengths index was damaged or "
                 f"replaced after prepare): prepare the data again"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from megaformer.data.corpus import file_sha256
 from megaformer.errors import DataError
+from megaformer.files import sha256_of
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 SPECIAL_IDS: dict[str, int] = {"pad_id": PAD_ID, "unk_id": UNK_ID, "bos_id": BOS_ID, "eos_id": EOS_ID}
@@ -109,7 +109,7 @@ class Tokenizer:
         except (OSError, RuntimeError):
             raise DataError(f"{self.path}: not a sentencepiece model") from None
         check_special_ids(self.processor, str(self.path))
-        self.sha256 = file_sha256(self.path)
+        self.sha256 = sha256_of(self.path)
 
     @property
     def vocab_size(self) -> int:

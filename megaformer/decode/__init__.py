@@ -1,4 +1,4 @@
-"""Decoding and evaluation: beam search, sacreBLEU, checkpoint averaging.
+"""Decoding and evaluation: beam search, sacreBLEU (checkpoint averaging is :mod:`megaformer.checkpoint.average`).
 
 The commands live in :mod:`~megaformer.decode.translate` (``translate``),
 :mod:`~megaformer.decode.evaluate_command` (``evaluate``) and
@@ -6,7 +6,7 @@ The commands live in :mod:`~megaformer.decode.translate` (``translate``),
 """
 
 from megaformer.decode.beam import Hypothesis, SearchSettings, beam_search, greedy_search, length_penalty, search
-from megaformer.decode.evaluate import Scores, average_checkpoints, corpus_scores
+from megaformer.decode.evaluate import Scores, corpus_scores
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer
 from megaformer.decode.vocab_topk import Candidates, vocab_parallel_topk
 
@@ -15,7 +15,6 @@ __all__ = [
     "Hypothesis",
     "Scores",
     "SearchSettings",
-    "average_checkpoints",
     "beam_search",
     "build_model",
     "corpus_scores",

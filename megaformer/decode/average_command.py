@@ -16,18 +16,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from megaformer.cli_args import existing_dir, existing_path, new_file, positive_int
-from megaformer.config import from_dict
-from megaformer.decode.evaluate import average_checkpoints, last_checkpoints
-from megaformer.decode.translate import open_model
-from megaformer.errors import CheckpointError, ConfigError
-from megaformer.train.checkpoint import (
+from megaformer.checkpoint import (
     STEP_DIR,
+    average_checkpoints,
     check_complete,
     check_step_name,
+    last_checkpoints,
     resolve_checkpoint,
     save_consolidated,
 )
+from megaformer.cli_args import existing_dir, existing_path, new_file, positive_int
+from megaformer.config import from_dict
+from megaformer.decode.translate import open_model
+from megaformer.errors import CheckpointError, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+from megaformer.checkpoint import STEP_DIR, Consolidated, consolidate, load_for_inference, resolve_checkpoint
 from megaformer.data.tokenizer import check_special_ids
 from megaformer.errors import CheckpointError
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state, padded_vocab_size
-from megaformer.train.checkpoint import STEP_DIR, Consolidated, consolidate, load_for_inference, resolve_checkpoint
 
 
 def load_model_file(path: str | Path, log: Callable[[str], None] | None = None) -> Consolidated:

@@ -25,6 +25,7 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
+from megaformer.checkpoint import Consolidated, resolve_checkpoint
 from megaformer.cli_args import (
     existing_file,
     existing_path,
@@ -41,7 +42,6 @@ from megaformer.decode.loading import build_model, check_layout, load_model_file
 from megaformer.errors import ConfigError, DataError, MegaformerError
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, ParallelContext
-from megaformer.train.checkpoint import Consolidated, resolve_checkpoint
 
 # The search options' bounds are the config's (decode.max_len_a, decode.max_len_b): beyond them
 # a * n + b no longer fits an int64, and the output is capped at model.max_positions - 1 anyway.

@@ -72,7 +72,7 @@ def output_kind(out: Path, fmt: str | None) -> tuple[str, bool]:
 
 
 def _is_run_dir(path: Path) -> bool:
-    from megaformer.train.checkpoint import STEP_DIR
+    from megaformer.checkpoint import STEP_DIR
 
     return path.is_dir() and not STEP_DIR.match(path.name) and not (path / "megaformer-export.json").is_file()
 
@@ -91,8 +91,8 @@ def check_not_input(out: Path, ckpt: Path, read: Path | None = None) -> None:
 
 def made_by_export(path: Path) -> bool:
     """An earlier output of ``export`` (what ``--force`` may replace): an export directory, or a model file of ours."""
+    from megaformer.checkpoint import CONSOLIDATED_FORMAT
     from megaformer.export.safetensors_format import FORMAT, MANIFEST
-    from megaformer.train.checkpoint import CONSOLIDATED_FORMAT
 
     if path.is_dir():
         return (path / MANIFEST).is_file()
@@ -117,7 +117,7 @@ def _stderr(message: str) -> None:
 
 def _resolve(ckpt: Path, log: Callable[[str], None]) -> Path:
     """The step directory a run directory or a ``latest``/``best`` file names; any other ``ckpt`` as it is."""
-    from megaformer.train.checkpoint import POINTERS, resolve_checkpoint
+    from megaformer.checkpoint import POINTERS, resolve_checkpoint
 
     if _is_run_dir(ckpt) or (ckpt.is_file() and ckpt.name in POINTERS):
         return resolve_checkpoint(ckpt, log=log)
@@ -158,7 +158,7 @@ def write_export(model, out: Path, fmt: str, *, force: bool = False) -> None:
         check_tokenizer(model)
     with staged_output(out, force, directory=directory) as tmp:
         if fmt == "pt":
-            from megaformer.train.checkpoint import save_consolidated
+            from megaformer.checkpoint import save_consolidated
 
             save_consolidated(tmp, model)
         elif fmt == "safetensors" and directory:

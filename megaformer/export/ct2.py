@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
+from megaformer.checkpoint import Consolidated
 from megaformer.config import to_dict
 from megaformer.export.hf import no_sacremoses_warning, write_hf_dir
 from megaformer.export.marian import BOS_ID, EOS_ID, MARIAN_LAYERNORM_EPS, SPECIAL_PIECES, UNK_ID
 from megaformer.export.safetensors_format import write_manifest
-from megaformer.train.checkpoint import Consolidated
 
 FORMAT = "megaformer-ctranslate2-v1"
 SUPPRESS = [["<pad>"], ["<s>"]]

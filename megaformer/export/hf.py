@@ -18,6 +18,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from megaformer.checkpoint import Consolidated
 from megaformer.config import to_dict
 from megaformer.errors import CheckpointError
 from megaformer.export import ExportError
@@ -30,7 +31,6 @@ from megaformer.export.marian import (
 )
 from megaformer.export.safetensors_format import config_of, field_of, read_manifest, write_manifest
 from megaformer.parallel import padded_vocab_size
-from megaformer.train.checkpoint import Consolidated
 
 FORMAT = "megaformer-hf-marian-v1"
 POSITION_KEYS = {"model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight"}

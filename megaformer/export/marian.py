@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import torch
 
+from megaformer.checkpoint import Consolidated
 from megaformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from megaformer.export import ExportError
-from megaformer.train.checkpoint import Consolidated
 
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>"}
 MARIAN_LAYERNORM_EPS = 1e-5

@@ -18,21 +18,21 @@ leaves nothing that looks finished, and an existing output is replaced only on r
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from megaformer.checkpoint import Consolidated
 from megaformer.config import Config, from_dict, to_dict
-from megaformer.data.corpus import file_sha256
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.export import ExportError
-from megaformer.train.checkpoint import Consolidated
+from megaformer.files import atomic_output, sha256_of
 
 FORMAT = "megaformer-safetensors-v1"
 MANIFEST = "megaformer-export.json"
@@ -63,53 +63,28 @@ def staged_output(out: Path, force: bool, *, directory: bool) -> Iterator[Path]:
     if out.exists() and out.is_dir() != directory:
         kind = "a directory" if out.is_dir() else "a file"
         raise ExportError(f"{shown}: is {kind}; this format writes {'a directory' if directory else 'a file'}")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _remove(tmp)
-        if directory:
-            tmp.mkdir()
+        staged = atomic_output(out, directory=directory, replace=True)
+        tmp = staged.__enter__()
     except OSError as err:
         raise ExportError(
             f"{out}: cannot write there ({err.strerror or err}): choose a --out in a writable folder"
         ) from None
     try:
-        yield tmp
-        _replace(tmp, out)
+        with contextlib.ExitStack() as stack:
+            stack.push(staged)
+            yield tmp
     except OSError as err:
         raise ExportError(
             f"{shown}: writing failed ({err.strerror or err}); nothing was replaced: free space there or choose "
             f"another --out"
         ) from None
-    finally:
-        _remove(tmp)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` is set aside first and put back if the rename fails."""
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        if old.exists():
-            os.replace(old, out)
-        raise
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def write_manifest(folder: Path, kind: str, extra: dict | None = None) -> dict:
     """Write ``megaformer-export.json`` (last) with the size and sha256 of every other file in ``folder``."""
     files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        p.name: {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
         for p in sorted(folder.iterdir())
         if p.is_file() and p.name != MANIFEST
     }
@@ -135,7 +110,7 @@ def read_manifest(folder: Path) -> dict:
             raise CheckpointError(f"{path}: lists {name!r}, which is not a file of this folder (edited by hand?)")
         if not f.is_file():
             raise CheckpointError(f"{f}: listed in {MANIFEST} but missing")
-        if f.stat().st_size != size or file_sha256(f) != digest:
+        if f.stat().st_size != size or sha256_of(f) != digest:
             raise CheckpointError(f"{f}: content does not match the sha256 in {MANIFEST} (damaged or edited)")
     return manifest
 

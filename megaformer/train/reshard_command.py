@@ -37,7 +37,7 @@ def _stderr(message: str) -> None:
 
 def target_of(step_dir: Path, out: Path) -> Path:
     """Where the resharded copy of ``step_dir`` goes; refuses anything that would replace or nest in a checkpoint."""
-    from megaformer.train.checkpoint import STEP_DIR, check_complete, check_step_name
+    from megaformer.checkpoint import STEP_DIR, check_complete, check_step_name
 
     check_step_name(out, check_complete(step_dir)["step"])  # --out RUN/checkpoints/step-99999999 of step 20
     target = out if STEP_DIR.match(out.name) else out / step_dir.name
@@ -55,7 +55,7 @@ def target_of(step_dir: Path, out: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megaformer.train.checkpoint import atomic_write_text, list_checkpoints, reshard, resolve_checkpoint
+    from megaformer.checkpoint import atomic_write_text, list_checkpoints, reshard, resolve_checkpoint
 
     step_dir = resolve_checkpoint(Path(args.ckpt), log=_stderr)  # an older one is announced on stderr
     target = target_of(step_dir, Path(args.out))

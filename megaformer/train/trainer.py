@@ -9,7 +9,7 @@ ranks with more tokens weigh more, as they should.
 
 The trainer is one of the stateful components (with the engine and the data feed): its
 own state is the tokens and training time so far and the best validation BLEU;
-:meth:`Trainer.save` hands every component's state to :mod:`megaformer.train.checkpoint`,
+:meth:`Trainer.save` hands every component's state to :mod:`megaformer.checkpoint`,
 which places and writes them.
 
 Validation (every ``train.eval_interval`` steps, and at the last step) computes the loss
@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaformer import checkpoint as ckpt
+from megaformer.checkpoint import sha256_of
 from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.shards import manifest_path, read_manifest
 from megaformer.data.stream import TokenBatchStream, open_prepared
@@ -38,12 +40,10 @@ from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.pipeline.schedule import Pipeline
 from megaformer.pipeline.split import plan_stages
-from megaformer.train import checkpoint as ckpt
 from megaformer.train.batching import plan_step
 from megaformer.train.device import configure_math, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, stream_count
-from megaformer.train.files import sha256_of
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.schedule import Cooldown, cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue

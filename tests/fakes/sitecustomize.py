@@ -99,7 +99,7 @@ def _patch_checkpoint(module):
 
 PATCHES = {"megaformer.train.trainer": _patch_trainer}
 if SPEC.startswith("kill_in_save"):
-    PATCHES = {"megaformer.train.checkpoint": _patch_checkpoint}
+    PATCHES = {"megaformer.checkpoint.save": _patch_checkpoint}
 
 
 class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):

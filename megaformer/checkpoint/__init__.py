@@ -1,0 +1,124 @@
+"""Checkpoints: collect the components' states, shard, write atomically with checksums, read back.
+
+Below ``train/``, ``decode/`` and ``export/``, which all read checkpoints through it. Each stateful
+component (engine, trainer, data feed) owns its ``state_dict()``; this module only
+places the states by where they live, writes and verifies them. A checkpoint is a
+directory per optimizer step::
+
+    RUN/checkpoints/step-00000100/
+        model-tp00-of-02.pt   fp32 weights and Adam moments of TP rank 0 (complete over DP): ``shard``
+        model-tp01-of-02.pt   ... one file per TP rank, written by that TP rank's first DP rank
+        rank-00000.pt         what only this rank holds (the torch RNG): ``rank``
+        tokenizer.model       the sentencepiece model, so that one directory is enough to translate
+        meta.json             written last: step, config, layout, ``run`` (states equal on every
+                              rank: engine counters, trainer), ``replicas`` (every rank's data-feed
+                              state) and every file with its size and sha256
+    RUN/checkpoints/latest    the newest complete step, replaced atomically
+    RUN/checkpoints/best      the step with the best validation BLEU so far (pruning never deletes it)
+
+Files are written into a hidden ``.step-*.tmp`` directory that becomes ``step-*`` only
+after every rank has finished and ``meta.json`` is complete, so a job killed mid-save
+leaves nothing that looks complete. Every read checks the file's sha256 against
+``meta.json`` (a damaged file is an error naming it) and unpickles nothing but tensors
+and plain containers (``weights_only=True``). Looking for the newest checkpoint skips
+damaged ones and says which and why.
+
+Model files hold each tensor at its TP shape: a different TP size merges the shards
+(:func:`megaformer.parallel.sharding.merge_shards`) and splits them again; a
+different DP size or ZeRO stage needs nothing, since the state is complete over DP.
+
+The modules: :mod:`~megaformer.checkpoint.format` (names, ``meta.json``, finding a
+checkpoint, pruning), :mod:`~megaformer.checkpoint.save`, :mod:`~megaformer.checkpoint.load`
+(for training), :mod:`~megaformer.checkpoint.consolidated` (one TP-independent model:
+reading for inference, resharding), :mod:`~megaformer.checkpoint.average`, and
+:mod:`~megaformer.checkpoint.files` (checksummed, tensor-only reads).
+"""
+
+from megaformer.checkpoint.average import average_checkpoints, last_checkpoints
+from megaformer.checkpoint.consolidated import (
+    CONSOLIDATED_FORMAT,
+    Consolidated,
+    consolidate,
+    load_consolidated,
+    load_for_inference,
+    reshard,
+    save_consolidated,
+)
+from megaformer.checkpoint.files import safe_torch_load
+from megaformer.checkpoint.format import (
+    CHECKPOINT_FORMAT,
+    META_KEYS,
+    META_TYPES,
+    POINTERS,
+    STEP_DIR,
+    TENSOR_KEYS,
+    Log,
+    check_complete,
+    check_step_name,
+    checkpoint_root,
+    find_latest,
+    list_checkpoints,
+    model_file_name,
+    model_files,
+    prune,
+    rank_file_name,
+    read_pointer,
+    resolve_checkpoint,
+    step_dir_name,
+    write_best,
+)
+from megaformer.checkpoint.load import (
+    LoadedCheckpoint,
+    load_checkpoint,
+    merged_state,
+    read_shard,
+    shape_info,
+    shard_info_of,
+)
+from megaformer.checkpoint.save import CheckpointState, file_entries, save_checkpoint
+from megaformer.files import atomic_torch_save, atomic_write_text, sha256_of
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "STEP_DIR",
+    "META_KEYS",
+    "TENSOR_KEYS",
+    "POINTERS",
+    "Log",
+    "step_dir_name",
+    "check_step_name",
+    "model_file_name",
+    "model_files",
+    "rank_file_name",
+    "check_complete",
+    "META_TYPES",
+    "list_checkpoints",
+    "checkpoint_root",
+    "find_latest",
+    "read_pointer",
+    "write_best",
+    "resolve_checkpoint",
+    "prune",
+    "safe_torch_load",
+    "CheckpointState",
+    "file_entries",
+    "save_checkpoint",
+    "read_shard",
+    "shard_info_of",
+    "merged_state",
+    "shape_info",
+    "LoadedCheckpoint",
+    "load_checkpoint",
+    "CONSOLIDATED_FORMAT",
+    "Consolidated",
+    "save_consolidated",
+    "load_consolidated",
+    "load_for_inference",
+    "consolidate",
+    "reshard",
+    "average_checkpoints",
+    "last_checkpoints",
+    "atomic_torch_save",
+    "atomic_write_text",
+    "sha256_of",
+]

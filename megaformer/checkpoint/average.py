@@ -1,0 +1,107 @@
+"""Averaging checkpoints (the paper, section 6.1): the element-wise mean of the last checkpoints' parameters.
+
+Models with different configs, vocabularies, tokenizers or parameter shapes are
+refused, naming both files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from megaformer.checkpoint.consolidated import Consolidated
+from megaformer.checkpoint.format import check_complete, checkpoint_root, list_checkpoints
+from megaformer.config import to_dict
+from megaformer.errors import CheckpointError
+
+# ---- checkpoint averaging -------------------------------------------------------------------
+
+
+def _differences(a: Consolidated, b: Consolidated) -> list[str]:
+    """What keeps ``a`` and ``b`` from being averaged, as short phrases."""
+    found = []
+    ma, mb = to_dict(a.config)["model"], to_dict(b.config)["model"]
+    found += [f"model.{k} {ma[k]!r} vs {mb[k]!r}" for k in ma if k != "activation_checkpointing" and ma[k] != mb.get(k)]
+    if a.config.parallel.vocab_multiple != b.config.parallel.vocab_multiple:
+        found.append("parallel.vocab_multiple differs")
+    if a.vocab_size != b.vocab_size:
+        found.append(f"vocabulary {a.vocab_size} vs {b.vocab_size}")
+    if a.tokenizer != b.tokenizer:
+        found.append("tokenizers differ")
+    if set(a.model) != set(b.model):
+        only = sorted(set(a.model) ^ set(b.model))
+        found.append(f"parameter names differ ({', '.join(only[:3])}{' ...' if len(only) > 3 else ''})")
+    else:
+        found += [
+            f"{n} shape {tuple(a.model[n].shape)} vs {tuple(b.model[n].shape)}"
+            for n in a.model
+            if a.model[n].shape != b.model[n].shape
+        ][:3]
+    return found
+
+
+def _check_finite(model: Consolidated, source: str) -> None:
+    """Refuse parameters that are not finite (a diverged run): an average would be NaN too."""
+    for name, t in model.model.items():
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{source}: parameter {name} holds NaN or inf")
+
+
+def average_checkpoints(
+    paths: Sequence[str | Path],
+    load: Callable[[str | Path], Consolidated],
+) -> Consolidated:
+    """The element-wise mean of the parameters of the models at ``paths`` (summed in float64).
+
+    ``load`` reads one path as a :class:`Consolidated` model (a checkpoint, a model file,
+    an export: :func:`megaformer.decode.loading.load_model_file`, or the average command's).
+
+    Config, tokenizer and meta come from the last file (the newest, for a run's last
+    checkpoints); ``meta["averaged_from"]`` lists the files. One model at a time is
+    held besides the sum.
+    """
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    first = load(paths[0])
+    _check_finite(first, str(paths[0]))
+    total = {name: t.double().clone() for name, t in first.model.items()}
+    last, steps = first, [first.meta.get("step")]
+    for path in paths[1:]:
+        model = load(path)
+        problems = _differences(first, model)
+        if problems:
+            raise CheckpointError(f"cannot average {paths[0]} with {path}: {'; '.join(problems)}")
+        _check_finite(model, str(path))
+        for name, t in model.model.items():
+            total[name] += t.double()
+        last = model
+        steps.append(model.meta.get("step"))
+    mean = {name: (t / len(paths)).float() for name, t in total.items()}
+    meta = {**last.meta, "averaged_from": [str(p) for p in paths], "averaged_steps": steps}
+    return dataclasses.replace(last, model=mean, meta=meta)
+
+
+def last_checkpoints(run_dir: str | Path, count: int, log: Callable[[str], None] = print) -> list[Path]:
+    """The ``count`` newest complete checkpoints (step directories) of a run, oldest first.
+
+    Incomplete or torn step directories are skipped, each announced through ``log``
+    (an average of other steps than the newest is never silent); fewer than ``count``
+    complete ones is a CheckpointError that says how many there are.
+    """
+    root = checkpoint_root(Path(run_dir))
+    complete = []
+    for step_dir in list_checkpoints(root):  # newest first
+        try:
+            check_complete(step_dir, verify=True)
+        except CheckpointError as err:
+            log(f"checkpoint: skipping {err}")
+            continue
+        complete.append(step_dir)
+        if len(complete) == count:
+            return complete[::-1]
+    if not root.is_dir():
+        raise CheckpointError(f"{run_dir}: no such run directory")
+    raise CheckpointError(f"{root}: {len(complete)} complete checkpoints, --last asks for {count}")

@@ -1,0 +1,204 @@
+"""The checkpoint format: names, ``meta.json`` and its checks, finding and resolving step directories, pruning."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from megaformer.errors import CheckpointError
+from megaformer.files import atomic_write_text, sha256_of
+
+CHECKPOINT_FORMAT = "megaformer-checkpoint-v2"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+META_KEYS = ("format", "step", "layout", "rank_layout", "config", "vocab_size", "run", "replicas", "files")
+TENSOR_KEYS = ("param", "exp_avg", "exp_avg_sq")
+POINTERS = ("latest", "best")  # files in a checkpoints folder that name one of its step directories
+
+Log = Callable[[str], None]
+
+
+# ---- finding checkpoints -----------------------------------------------------------------------
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def check_step_name(path: Path, step: int | None, option: str = "--out") -> None:
+    """Refuse to write a checkpoint of ``step`` under a ``step-N`` name that says another step."""
+    named = STEP_DIR.match(Path(path).name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(
+            f"{option} {path}: its name says step {int(named.group(1))}, but what is written is step {step}: "
+            f"name it {step_dir_name(step) if step is not None else 'otherwise'} or use a name that is not step-N"
+        )
+
+
+def model_file_name(tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1) -> str:
+    """``model-tp00-of-02.pt``; a pipelined run's stages ``model-pp01-of-04-tp00-of-02.pt``."""
+    stage = f"pp{pp_rank:02d}-of-{pp_size:02d}-" if pp_size > 1 else ""
+    return f"model-{stage}tp{tp_rank:02d}-of-{tp_size:02d}.pt"
+
+
+def model_files(meta: dict) -> list[list[str]]:
+    """The model files of a checkpoint: one list of TP shards per pipeline stage."""
+    tp, pp = meta["layout"]["tp"], meta["layout"].get("pp", 1)
+    return [[model_file_name(r, tp, s, pp) for r in range(tp)] for s in range(pp)]
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def check_complete(step_dir: Path, verify: bool = False) -> dict:
+    """``meta.json`` of a complete checkpoint; raises :class:`CheckpointError` saying what is wrong.
+
+    Sizes are always checked; with ``verify`` every file's sha256 too.
+    """
+    meta_path = step_dir / "meta.json"
+    if not meta_path.is_file():
+        raise CheckpointError(f"{step_dir}: no meta.json (the save did not finish)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{meta_path}: unreadable ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{meta_path}: format {found!r}, this megaformer reads {CHECKPOINT_FORMAT}")
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"{meta_path}: lacks {', '.join(missing)} (edited or written by another program)")
+    named = STEP_DIR.match(step_dir.name)
+    if not isinstance(meta["step"], int) or isinstance(meta["step"], bool) or meta["step"] < 0:
+        raise CheckpointError(f"{meta_path}: step {meta['step']!r} is not a step count (edited by hand?)")
+    if named and int(named.group(1)) != meta["step"]:
+        raise CheckpointError(
+            f"{step_dir}: its name says step {int(named.group(1))}, its meta.json step {meta['step']} "
+            f"(renamed, or written there by hand): rename it {step_dir_name(meta['step'])} or move it out"
+        )
+    _check_meta_types(meta, meta_path)
+    for name, entry in meta["files"].items():
+        f = step_dir / name
+        if not f.is_file():
+            raise CheckpointError(f"{step_dir}: {name} is missing")
+        if f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{step_dir}: {name} has {f.stat().st_size} bytes, meta.json says {entry['bytes']}")
+        if verify and sha256_of(f) != entry["sha256"]:
+            raise CheckpointError(f"{f}: content does not match its sha256 in meta.json (the file is damaged)")
+    return meta
+
+
+# The fields of meta.json that readers index, and the JSON kind each must be.
+META_TYPES = dict(layout=dict, rank_layout=dict, config=dict, vocab_size=int, run=dict, replicas=list, files=dict)
+
+
+def _check_meta_types(meta: dict, meta_path: Path) -> None:
+    """A hand-edited field of the wrong kind is one line naming it, not a KeyError or TypeError later."""
+
+    def expect(name: str, value: object, kind: type, least: int = 0) -> None:
+        if isinstance(value, bool) or not isinstance(value, kind) or (kind is int and value < least):
+            floor = f" >= {least}" if kind is int else ""
+            raise CheckpointError(f"{meta_path}: {name} is {value!r:.40}, expected {kind.__name__}{floor} (edited?)")
+
+    for key, kind in META_TYPES.items():
+        expect(key, meta[key], kind, least=1)
+    for key, size in [(key, size) for key in ("layout", "rank_layout") for size in ("tp", "dp", "pp")]:
+        expect(f"{key}.{size}", meta[key].get(size, 1), int, least=1)
+    for key in ("config", "run", "files"):  # config sections; a value inside one is from_dict's to name
+        for name, entry in meta[key].items():
+            expect(f"{key}.{name}", entry, dict)
+    for name, entry in meta["files"].items():
+        expect(f"files.{name}.bytes", entry.get("bytes"), int)
+        expect(f"files.{name}.sha256", entry.get("sha256"), str)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Step directories under ``root``, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def checkpoint_root(path: Path) -> Path:
+    """The folder holding ``step-*`` directories, given a run directory or that folder itself."""
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def find_latest(path: str | Path, log: Log) -> Path | None:
+    """The newest complete, undamaged checkpoint under a run directory (or its checkpoints folder).
+
+    Unfinished, torn or damaged ones are skipped, each with a line through ``log``
+    naming it and why, so that falling back to an older step is never silent.
+    """
+    root = checkpoint_root(Path(path))
+    if root.is_dir():
+        for partial in sorted(root.glob(".step-*.tmp")):
+            log(f"checkpoint: ignoring unfinished {partial.name} (a save that did not complete)")
+    skipped = []
+    for step_dir in list_checkpoints(root):
+        try:
+            check_complete(step_dir, verify=True)
+        except CheckpointError as err:
+            log(f"checkpoint: skipping {err}")
+            skipped.append(step_dir.name)
+            continue
+        if skipped:
+            log(f"checkpoint: using the older checkpoint {step_dir.name}, since {', '.join(skipped)} cannot be used")
+        latest = read_pointer(root / "latest")
+        if latest is not None and _step_of(latest) < _step_of(step_dir.name) and not skipped:
+            log(f"checkpoint: latest names {latest}; the newer {step_dir.name} is complete (saved, latest not updated)")
+        return step_dir
+    return None
+
+
+def _step_of(name: str) -> int:
+    return int(STEP_DIR.match(name).group(1))
+
+
+def read_pointer(path: Path) -> str | None:
+    """The step directory name held by a ``latest`` or ``best`` file, or None if there is none."""
+    try:
+        name = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if STEP_DIR.match(name) else None
+
+
+def write_best(root: Path, step_dir: Path) -> None:
+    """Record ``step_dir`` (a step directory under ``root``) as the best checkpoint, atomically."""
+    atomic_write_text(root / "best", step_dir.name + "\n")
+
+
+def resolve_checkpoint(path: str | Path, log: Log) -> Path:
+    """A verified step directory from a step directory, a ``best``/``latest`` file, a checkpoints folder or a run."""
+    path = Path(path)
+    if path.is_file() and path.name in POINTERS:
+        name = read_pointer(path)
+        if name is None:
+            raise CheckpointError(f"{path}: does not name a step directory")
+        path = path.parent / name
+    if STEP_DIR.match(path.name):
+        check_complete(path, verify=True)
+        return path
+    found = find_latest(path, log)
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint found")
+    return found
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` step directories and any leftover temporaries.
+
+    The step named in ``root/best`` is kept whatever its age.
+    """
+    for stale in root.glob(".step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if keep_last > 0:
+        best = read_pointer(root / "best")
+        for old in list_checkpoints(root)[keep_last:]:
+            if old.name != best:
+                shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,117 @@
+"""Reading a checkpoint back for training: this rank's shard at its TP shape, and the states around it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megaformer.checkpoint.files import safe_torch_load
+from megaformer.checkpoint.format import TENSOR_KEYS, check_complete, model_file_name, model_files, rank_file_name
+from megaformer.config import from_dict
+from megaformer.errors import CheckpointError
+
+# ---- model shards -------------------------------------------------------------------------------
+
+
+def read_shard(step_dir: Path, meta: dict, name: str) -> dict:
+    """One file of a checkpoint, its sha256 checked against ``meta``."""
+    entry = meta["files"].get(name)
+    if entry is None:
+        raise CheckpointError(f"{step_dir}: meta.json lists no {name}")
+    return safe_torch_load(step_dir / name, entry["sha256"])
+
+
+def shard_info_of(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
+    """Each parameter's (split dimension, stacked blocks), from its TP tags."""
+    from megaformer.parallel import tp_dim, tp_partitions
+
+    return {n: (tp_dim(p), tp_partitions(p)) for n, p in model.named_parameters()}
+
+
+def merged_state(
+    step_dir: Path, meta: dict, shard_info: dict[str, tuple[int | None, int]], keys: tuple[str, ...] = TENSOR_KEYS
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions)."""
+    from megaformer.parallel.sharding import merge_shards
+
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
+    for stage in model_files(meta):  # a pipelined run's stages hold disjoint sets of names
+        shards = [read_shard(step_dir, meta, name) for name in stage]
+        for key in keys:
+            for name in shards[0][key]:
+                dim, partitions = shard_info.get(name, (None, 1))
+                out[key][name] = merge_shards([s[key][name] for s in shards], dim, partitions)
+    return out
+
+
+def shape_info(meta: dict) -> dict[str, tuple[int | None, int]]:
+    from megaformer.model import shape_model
+
+    return shard_info_of(shape_model(from_dict(meta["config"]), meta["vocab_size"]))
+
+
+# ---- loading for training ------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read back for one rank: its shard at this rank's TP shape, and the states around it."""
+
+    meta: dict
+    shard: dict[str, dict[str, torch.Tensor]]
+    rank: dict | None  # this rank's rank file, if a rank at its (DP, TP) place existed
+
+    @property
+    def run(self) -> dict[str, dict]:
+        return self.meta["run"]
+
+    def replicas_of_dp_ranks(self) -> list[dict]:
+        """The replica states of the first TP rank of every old DP rank (of the first stage: the stages
+        of a replica read the same data and keep the same dropout positions)."""
+        rl = self.meta["rank_layout"]
+        return [self.meta["replicas"][d * rl["tp"]] for d in range(rl["dp"])]
+
+    def replica_at(self, dp_rank: int, tp_rank: int) -> dict | None:
+        """The replica state of the old rank at (``dp_rank``, ``tp_rank``) of the first stage, if it existed."""
+        rl = self.meta["rank_layout"]
+        if dp_rank < rl["dp"] and tp_rank < rl["tp"]:
+            return self.meta["replicas"][dp_rank * rl["tp"] + tp_rank]
+        return None
+
+
+def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
+    """Read ``step_dir`` for this rank: the same layout reads its own shard, another merges and re-splits.
+
+    ``stages``: layers per pipeline stage of this run (None without a pipeline); a
+    checkpoint cut otherwise (another pp or pp_split) is merged and this stage's layers taken.
+    """
+    from megaformer.parallel.sharding import shard_full
+
+    meta = check_complete(step_dir)
+    old = meta["layout"]
+    names = {n for n, _ in model.named_parameters()}
+    same_cut = old.get("pp", 1) == ctx.pp_size and old.get("stages") == stages
+    if old["tp"] == ctx.layout.tp and same_cut:
+        shard = read_shard(step_dir, meta, model_file_name(ctx.tp.rank, old["tp"], ctx.pp_rank, ctx.pp_size))
+    else:  # another TP size or pipeline cut: merge every shard, keep this stage's names, split for this TP rank
+        info = shard_info_of(model)
+        full = merged_state(step_dir, meta, info)
+        shard = {
+            key: {n: shard_full(t, *info[n], ctx.tp) for n, t in tensors.items() if n in names}
+            for key, tensors in full.items()
+        }
+    if set(shard["param"]) != names:
+        missing, extra = sorted(names - set(shard["param"])), sorted(set(shard["param"]) - names)
+        raise CheckpointError(
+            f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
+            f"was it written with another model.* config?"
+        )
+    rl = meta["rank_layout"]
+    rank = None
+    if ctx.dp_rank < rl["dp"] and ctx.tp.rank < rl["tp"] and ctx.pp_rank < rl.get("pp", 1):
+        name = rank_file_name((ctx.pp_rank * rl["dp"] + ctx.dp_rank) * rl["tp"] + ctx.tp.rank)
+        if name in meta["files"]:
+            rank = read_shard(step_dir, meta, name)
+    return LoadedCheckpoint(meta, shard, rank)
