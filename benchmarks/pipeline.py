@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megaformer.pipeline.split import bubble_fraction  # noqa: E402
+from megaformer.parallel.stages import bubble_fraction  # noqa: E402
 
 CPU_MODEL = ["model.d_model=128", "model.d_ff=512", "model.encoder_layers=4", "model.decoder_layers=4"]
 COMMON = ["train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "train.save_minutes=0"]

@@ -364,11 +364,46 @@ def _check_shapes(cfg: Config) -> None:
         )
 
 
+def stage_layer_counts(model: ModelConfig, pp: int, split: str = "") -> list[int] | None:
+    """Layers per pipeline stage as ``parallel.pp_split`` gives them (None: to be cut by cost); checked against the model.
+
+    The arithmetic of a pipeline layout, refused with what to change; the balanced cut
+    itself is :func:`megaformer.parallel.stages.plan_stages`'s.
+    """
+    total = model.encoder_layers + model.decoder_layers
+    if pp < 1:
+        raise ConfigError(f"parallel.pp must be at least 1, got {pp}")
+    if pp > total:
+        raise ConfigError(
+            f"parallel.pp={pp} is more than the model's {total} layers ({model.encoder_layers} encoder + "
+            f"{model.decoder_layers} decoder): every stage needs a layer; use parallel.pp <= {total}"
+        )
+    return parse_split(split, pp, total) if split else None
+
+
+def parse_split(text: str, pp: int, total: int) -> list[int]:
+    """``"3,3,2"`` -> [3, 3, 2]: layers per stage, encoder layers first; checked against pp and the layer count."""
+    try:
+        counts = [int(x) for x in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"parallel.pp_split={text!r}: expected comma-separated layer counts per stage, e.g. '3,3,2'"
+        ) from None
+    if len(counts) != pp:
+        raise ConfigError(f"parallel.pp_split={text!r} names {len(counts)} stages but parallel.pp={pp}")
+    if any(c < 1 for c in counts):
+        raise ConfigError(f"parallel.pp_split={text!r}: every stage needs at least one layer")
+    if sum(counts) != total:
+        raise ConfigError(
+            f"parallel.pp_split={text!r} sums to {sum(counts)} layers but the model has {total} "
+            f"(encoder layers first, then decoder layers): make the counts sum to {total}"
+        )
+    return counts
+
+
 def _check_pipeline(cfg: Config) -> None:
     """A pipeline layout the model cannot be cut into, or that the optimizer cannot run, is refused here."""
-    from megaformer.pipeline.split import plan_stages
-
-    plan_stages(cfg.model, cfg.parallel.pp, cfg.parallel.pp_split)
+    stage_layer_counts(cfg.model, cfg.parallel.pp, cfg.parallel.pp_split)
     if cfg.parallel.pp > 1 and cfg.train.zero_stage > 1:
         raise ConfigError(
             f"train.zero_stage={cfg.train.zero_stage} with parallel.pp={cfg.parallel.pp}: ZeRO-2 frees each "

@@ -3,10 +3,10 @@
 Counts come from the model itself, built on the ``meta`` device (no memory, no
 initialisation), at TP=1 and at the configured TP size; the vocabulary padding rows
 are reported apart and excluded from ``parameters``. The step (micro-batches and their
-size) is :func:`megaformer.train.batching.plan_step` for the layout given; the layout
+size) is :func:`megaformer.data.batching.plan_step` for the layout given; the layout
 estimate (compute vs TP and DP communication per step) is :mod:`megaformer.layout_cost`.
 
-With ``parallel.pp > 1`` each pipeline stage (:func:`megaformer.pipeline.split.plan_stages`)
+With ``parallel.pp > 1`` each pipeline stage (:func:`megaformer.parallel.stages.plan_stages`)
 is built on the meta device too: its parameters, the layers it holds, its memory
 (1F1B keeps up to ``min(pp - i, m)`` micro-batches' activations in flight on stage
 ``i``) and the step's bubble ``(p - 1) / (m + p - 1)`` for ``m`` micro-batches per rank.
@@ -20,12 +20,12 @@ import json
 
 from megaformer.cli_args import existing_file, finite_float, nonneg_int, positive_int
 from megaformer.config import Config, load_config
+from megaformer.data.batching import plan_step
 from megaformer.errors import ConfigError
 from megaformer.layout_cost import Hardware, step_cost
 from megaformer.model.shape import shape_model
 from megaformer.parallel import check_model_split, padded_vocab_size
-from megaformer.pipeline.split import COPY, OWN, StagePart, bubble_fraction, plan_stages
-from megaformer.train.batching import plan_step
+from megaformer.parallel.stages import COPY, OWN, StagePart, bubble_fraction, plan_stages
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 

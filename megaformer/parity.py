@@ -32,7 +32,7 @@ from megaformer.parallel import (
     tp_dim,
     tp_partitions,
 )
-from megaformer.pipeline.split import StagePart
+from megaformer.parallel.stages import StagePart
 
 
 @dataclass
@@ -90,8 +90,8 @@ def _pipeline_loss_and_grads(
     """This rank's stage through one 1F1B step of ``micro``: the loss (summed over stages) and its gathered grads."""
     import torch.distributed as dist
 
+    from megaformer.parallel.stages import plan_stages
     from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
-    from megaformer.pipeline.split import plan_stages
     from megaformer.pipeline.stage import StageBatch
 
     parts = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from megaformer import cli
+from megaformer.data.batching import StepPlan, plan_step
 from megaformer.errors import ConfigError
-from megaformer.train.batching import StepPlan, plan_step
 
 BIG = "configs/transformer_big.yaml"
 

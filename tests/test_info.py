@@ -146,7 +146,7 @@ def test_stage_parameters_sum_to_the_model(pp, tp):
 
 @pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 6), (1, 3)])
 def test_bubble_is_the_1f1b_formula(p, m):
-    from megaformer.pipeline.split import bubble_fraction
+    from megaformer.parallel.stages import bubble_fraction
 
     assert bubble_fraction(p, m) == pytest.approx((p - 1) / (m + p - 1))
 

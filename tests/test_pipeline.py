@@ -17,7 +17,7 @@ from megaformer.config import load_config
 from megaformer.errors import ConfigError
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, DropoutRNG
-from megaformer.pipeline.split import COPY, OWN, balanced_split, bubble_fraction, plan_stages
+from megaformer.parallel.stages import COPY, OWN, balanced_split, bubble_fraction, plan_stages
 from megaformer.pipeline.stage import mask_draws
 
 TINY = ROOT / "configs" / "tiny.yaml"

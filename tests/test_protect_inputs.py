@@ -293,7 +293,7 @@ def test_host_lists_are_counted_before_they_are_expanded():
 
 def _scan_split(model, pp: int, vocab_size: int) -> list[int]:
     """The cut as it was computed before: every (k, i, j), ties to the smaller j."""
-    from megaformer.pipeline.split import layer_costs
+    from megaformer.parallel.stages import layer_costs
 
     enc, dec, head = layer_costs(model, vocab_size)
     costs = [enc] * model.encoder_layers + [dec] * model.decoder_layers
@@ -318,7 +318,7 @@ def _scan_split(model, pp: int, vocab_size: int) -> list[int]:
 
 def test_the_fast_pipeline_cut_is_the_scan_and_quick():
     from megaformer.config import ModelConfig
-    from megaformer.pipeline.split import balanced_split
+    from megaformer.parallel.stages import balanced_split
 
     rng = random.Random(0)
     for _ in range(300):

@@ -227,7 +227,7 @@ class TokenBatchStream:
         """The stream of ``split`` of the prepared directory ``data.path``, with the sizes of ``data``.
 
         ``max_tokens``: the micro-batch size when not ``data.max_tokens`` (the step plan of
-        :func:`megaformer.train.batching.plan_step` may lower it); ``pin_memory``: on a GPU run.
+        :func:`megaformer.data.batching.plan_step` may lower it); ``pin_memory``: on a GPU run.
         """
         return cls(
             data.path, split, dp_rank=dp_rank, dp_size=dp_size, max_tokens=max_tokens or data.max_tokens,

@@ -11,7 +11,7 @@ import torch
 from megaformer.config import Config
 from megaformer.model.transformer import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup
-from megaformer.pipeline.split import StagePart
+from megaformer.parallel.stages import StagePart
 
 
 def shape_model(cfg: Config, vocab_size: int, tp_size: int = 1, part: StagePart | None = None) -> Transformer:

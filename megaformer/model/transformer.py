@@ -33,7 +33,7 @@ from megaformer.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megaformer.parallel.comm import SEQ_DIM
-from megaformer.pipeline.split import COPY, StagePart
+from megaformer.parallel.stages import COPY, StagePart
 
 
 def sinusoidal_positions(length: int, d_model: int) -> torch.Tensor:

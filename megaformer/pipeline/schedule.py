@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megaformer.model import Transformer
 from megaformer.parallel import ParallelContext
-from megaformer.pipeline.split import OWN, StagePart
+from megaformer.parallel.stages import OWN, StagePart
 from megaformer.pipeline.stage import StageBatch, input_shapes, mask_draws, stage_forward, stage_outputs
 
 

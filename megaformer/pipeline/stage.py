@@ -20,7 +20,7 @@ import torch
 from megaformer.model import Transformer
 from megaformer.model.transformer import pad_to_multiple
 from megaformer.parallel import vocab_parallel_cross_entropy
-from megaformer.pipeline.split import StagePart
+from megaformer.parallel.stages import StagePart
 
 
 @dataclass

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megaformer import checkpoint as ckpt
 from megaformer.checkpoint import sha256_of
 from megaformer.config import Config, dump_config, to_dict
+from megaformer.data.batching import plan_step
 from megaformer.data.shards import manifest_path, read_manifest
 from megaformer.data.stream import TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
@@ -38,9 +39,8 @@ from megaformer.errors import CheckpointError, ConfigError, TrainingError
 from megaformer.info import model_info
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
+from megaformer.parallel.stages import plan_stages
 from megaformer.pipeline.schedule import Pipeline
-from megaformer.pipeline.split import plan_stages
-from megaformer.train.batching import plan_step
 from megaformer.train.device import configure_math, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine
 from megaformer.train.feed import DataFeed, stream_count

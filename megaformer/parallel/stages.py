@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megaformer.config import ModelConfig
-from megaformer.errors import ConfigError
+from megaformer.config import ModelConfig, stage_layer_counts
 
 OWN, COPY = "own", "copy"  # how a stage holds the shared embedding
 
@@ -105,26 +104,6 @@ def layer_costs(model: ModelConfig, vocab_size: int) -> tuple[float, float, floa
     return 4 * d * d + 2 * d * f, 8 * d * d + 2 * d * f, float(d * vocab_size)
 
 
-def parse_split(text: str, pp: int, total: int) -> list[int]:
-    """``"3,3,2"`` -> [3, 3, 2]: layers per stage, encoder layers first; checked against pp and the layer count."""
-    try:
-        counts = [int(x) for x in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"parallel.pp_split={text!r}: expected comma-separated layer counts per stage, e.g. '3,3,2'"
-        ) from None
-    if len(counts) != pp:
-        raise ConfigError(f"parallel.pp_split={text!r} names {len(counts)} stages but parallel.pp={pp}")
-    if any(c < 1 for c in counts):
-        raise ConfigError(f"parallel.pp_split={text!r}: every stage needs at least one layer")
-    if sum(counts) != total:
-        raise ConfigError(
-            f"parallel.pp_split={text!r} sums to {sum(counts)} layers but the model has {total} "
-            f"(encoder layers first, then decoder layers): make the counts sum to {total}"
-        )
-    return counts
-
-
 def balanced_split(model: ModelConfig, pp: int, vocab_size: int) -> list[int]:
     """Layers per stage that minimise the most expensive stage (contiguous cut, at least one layer each).
 
@@ -166,15 +145,7 @@ def balanced_split(model: ModelConfig, pp: int, vocab_size: int) -> list[int]:
 
 def plan_stages(model: ModelConfig, pp: int, split: str = "", vocab_size: int = 8000) -> list[StagePart]:
     """The :class:`StagePart` of each of ``pp`` stages; refuses a layout that cannot be cut, saying what to change."""
-    total = model.encoder_layers + model.decoder_layers
-    if pp < 1:
-        raise ConfigError(f"parallel.pp must be at least 1, got {pp}")
-    if pp > total:
-        raise ConfigError(
-            f"parallel.pp={pp} is more than the model's {total} layers ({model.encoder_layers} encoder + "
-            f"{model.decoder_layers} decoder): every stage needs a layer; use parallel.pp <= {total}"
-        )
-    counts = parse_split(split, pp, total) if split else balanced_split(model, pp, vocab_size)
+    counts = stage_layer_counts(model, pp, split) or balanced_split(model, pp, vocab_size)
     parts, start = [], 0
     for index, count in enumerate(counts):
         stop = start + count
