@@ -45,7 +45,7 @@ from megaformer.config import Config  # noqa: E402
 from megaformer.decode.beam import SearchSettings  # noqa: E402
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer  # noqa: E402
 from megaformer.decode.translate import translate_ids  # noqa: E402
-from megaformer.export.command import write_export  # noqa: E402
+from megaformer.export.write import write_export  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
 from megaformer.parallel import LOCAL, gather_full_state  # noqa: E402
 

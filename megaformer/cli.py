@@ -47,18 +47,18 @@ COMMANDS: tuple[Command, ...] = (
     Command("parity", "megaformer.parity", "check a TP=N model against TP=1 on this installation"),
     Command(
         "train",
-        "megaformer.train.command",
+        "megaformer.commands.train",
         "train (torchrun, srun, the deepspeed launcher, or --nproc N local processes)",
     ),
-    Command("reshard", "megaformer.train.reshard_command", "rewrite a checkpoint for another tensor-parallel size"),
+    Command("reshard", "megaformer.commands.reshard", "rewrite a checkpoint for another tensor-parallel size"),
     Command(
         "export",
-        "megaformer.export.command",
+        "megaformer.commands.export",
         "write the model as safetensors, Hugging Face MarianMT or CTranslate2",
     ),
     Command("translate", "megaformer.decode.translate", "translate raw text with a checkpoint or model file"),
     Command("evaluate", "megaformer.decode.evaluate_command", "translate a test set and score it (BLEU, chrF)"),
-    Command("average", "megaformer.decode.average_command", "average the parameters of several checkpoints"),
+    Command("average", "megaformer.commands.average", "average the parameters of several checkpoints"),
     Command("env", "launcher.envinfo", "the launch environment megaformer resolved: rank, nodes, master, device"),
 )
 

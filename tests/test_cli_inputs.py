@@ -269,7 +269,7 @@ def test_every_numeric_config_value_has_a_range():
 
 
 def test_resume_accepts_its_policies():
-    from megaformer.train.command import resume_policy
+    from megaformer.commands.train import resume_policy
 
     assert resume_policy("auto") == "auto" and resume_policy("none") == "none"
     assert existing_path(TINY_CONFIG) == TINY_CONFIG

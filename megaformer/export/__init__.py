@@ -9,7 +9,8 @@ here verifies it. Nothing here unpickles: weights are read with safetensors.
 * :mod:`megaformer.export.marian`: the exact mapping onto ``MarianMTModel`` and
   ``MarianTokenizer``, or a one-line refusal of what Marian cannot express.
 * :mod:`megaformer.export.ct2`: CTranslate2, through its own converter from the HF directory.
-* :mod:`megaformer.export.command`: ``megaformer export``.
+* :mod:`megaformer.export.write`: writing one of them through a staged path, and what an output name says;
+  the command is :mod:`megaformer.commands.export`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""``megaformer train``: check the options, then :func:`megaformer.train.launch.launch`.
+
+``train --resume`` keeps its own name: it is a policy (``auto``: the newest complete
+checkpoint of the run directory, if any; ``none``: start fresh) that may also be a
+checkpoint path, not only the checkpoint that every other command calls ``--ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
+from megaformer.config import load_config
+from megaformer.errors import ConfigError
+
+
+def resume_policy(text: str) -> str:
+    """``auto``, ``none`` or an existing checkpoint (step directory, checkpoints folder or run directory)."""
+    return text if text in ("auto", "none") else existing_path(text)
+
+
+resume_policy.checked_kind = "path"  # type: ignore[attr-defined]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=existing_file, required=True, help="YAML config, e.g. configs/transformer_big.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--run-dir",
+        type=new_dir,
+        default=None,
+        help="where checkpoints, metrics and logs go (default: runs/<config name>)",
+    )
+    p.add_argument(
+        "--resume",
+        type=resume_policy,
+        default="auto",
+        help="auto: newest complete checkpoint in the run dir, if any; none: start fresh; or a checkpoint path",
+    )
+    p.add_argument(
+        "--other-tokenizer",
+        action="store_true",
+        help="resume a checkpoint on data prepared with another tokenizer of the same size (refused otherwise)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=nonneg_int,
+        default=0,
+        help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed; 0 = one",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from megaformer.train.launch import launch_scope
+
+    with launch_scope():
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from launcher.env import detect
+    from megaformer.train.launch import check_launch, launch
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
+    info = detect()
+    world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
+    if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
+        raise ConfigError(
+            f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
+        )
+    check_launch(cfg, world)  # fail before any process starts
+    return launch(cfg, run_dir, world, args.resume, args.other_tokenizer, under_launcher=info.source != "single")

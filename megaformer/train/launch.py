@@ -1,0 +1,103 @@
+"""Starting a training run: the checks before any process starts, the run directory's lock, one rank's training.
+
+:mod:`megaformer.commands.train` (``megaformer train``) checks its options and calls
+:func:`check_launch` and :func:`launch` inside :func:`launch_scope`. Under torchrun, srun
+or the DeepSpeed launcher this process is one rank; otherwise it holds the run
+directory's lock and trains alone or starts ``world`` local ranks (``launcher.local``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megaformer.config import Config
+from megaformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megaformer.train.run_lock import RunLock
+
+
+def run_lock(run_dir: str) -> RunLock:
+    """The run directory's lock for this process (its SLURM job id, if any, lets a requeued job take it over)."""
+    from megaformer.train.run_lock import RunLock
+
+    return RunLock(Path(run_dir), os.environ.get("SLURM_JOB_ID"))
+
+
+def rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, locked: bool = False) -> int:
+    """One rank's training. ``locked``: the launching process holds the run directory's lock for the ranks."""
+    from launcher.env import detect
+    from megaformer.parallel import ParallelContext
+    from megaformer.train.trainer import Trainer
+
+    info = detect()
+    info.export()
+    with nullcontext() if locked or info.rank != 0 else run_lock(run_dir):  # rank 0 holds it for a launcher's ranks
+        ctx = ParallelContext.initialize(
+            cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
+        )
+        try:
+            return Trainer(cfg, ctx, Path(run_dir), resume, other_tokenizer).train()
+        finally:
+            ctx.destroy()
+
+
+def check_data(cfg: Config) -> None:
+    """The prepared data must be there before any process starts (read_manifest names what is wrong)."""
+    from megaformer.data.shards import manifest_path, read_manifest
+
+    if not cfg.data.path:
+        raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
+    read_manifest(manifest_path(cfg.data.path))
+
+
+def check_launch(cfg: Config, world: int) -> None:
+    """Everything that can be refused before a process starts: the layout for ``world`` ranks, the split, the data."""
+    from megaformer.parallel import ParallelLayout, check_model_split
+    from megaformer.train.engine import check_precision
+
+    layout = ParallelLayout.from_config(cfg.parallel, world)
+    check_model_split(cfg.model, layout.tp)
+    check_precision(cfg.train)
+    check_data(cfg)
+
+
+@contextmanager
+def launch_scope() -> Iterator[None]:
+    """USR1/TERM held from here until the trainer handles them; the signal mask and launch variables restored after.
+
+    A caller in this process gets its mask and environment back (a one-process run exports
+    RANK, WORLD_SIZE, ... for env://, which a later command in the process would take as its launch).
+    """
+    from launcher.env import LAUNCH_VARIABLES
+    from megaformer.train.signals import hold_signals
+
+    held = hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
+    launch_env = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for name, value in launch_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def launch(cfg: Config, run_dir: str, world: int, resume: str, other_tokenizer: bool, under_launcher: bool) -> int:
+    """Train ``cfg`` into ``run_dir``: as one rank of a launcher's (``under_launcher``), or with ``world`` local ranks."""
+    from launcher.local import free_port, spawn
+
+    if under_launcher:
+        return rank_main(cfg, run_dir, resume, other_tokenizer)
+    with run_lock(run_dir):  # before anything is written into the run directory
+        if world > 1:
+            return spawn(rank_main, world, cfg, run_dir, resume, other_tokenizer, True)
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        return rank_main(cfg, run_dir, resume, other_tokenizer, True)
