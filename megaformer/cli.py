@@ -56,8 +56,8 @@ COMMANDS: tuple[Command, ...] = (
         "megaformer.commands.export",
         "write the model as safetensors, Hugging Face MarianMT or CTranslate2",
     ),
-    Command("translate", "megaformer.decode.translate", "translate raw text with a checkpoint or model file"),
-    Command("evaluate", "megaformer.decode.evaluate_command", "translate a test set and score it (BLEU, chrF)"),
+    Command("translate", "megaformer.commands.translate", "translate raw text with a checkpoint or model file"),
+    Command("evaluate", "megaformer.commands.evaluate", "translate a test set and score it (BLEU, chrF)"),
     Command("average", "megaformer.commands.average", "average the parameters of several checkpoints"),
     Command("env", "launcher.envinfo", "the launch environment megaformer resolved: rank, nodes, master, device"),
 )

@@ -258,7 +258,7 @@ def test_a_tokenizer_that_cannot_be_built_is_refused_before_decoding(tokenize, r
     """MeCab missing, or a sentencepiece model to download where there is no network: refused before decoding."""
     import urllib.error
 
-    from megaformer.decode import evaluate_command
+    from megaformer.commands import evaluate as evaluate_command
 
     if "mecab" in tokenize:
         try:

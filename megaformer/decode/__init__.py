@@ -1,8 +1,6 @@
 """Decoding and evaluation: beam search, sacreBLEU (checkpoint averaging is :mod:`megaformer.checkpoint.average`).
 
-The commands live in :mod:`~megaformer.decode.translate` (``translate``),
-:mod:`~megaformer.decode.evaluate_command` (``evaluate``) and
-:mod:`~megaformer.decode.average_command` (``average``).
+The commands that use them live in :mod:`megaformer.commands`: ``translate``, ``evaluate`` and ``average``.
 """
 
 from megaformer.decode.beam import Hypothesis, SearchSettings, beam_search, greedy_search, length_penalty, search

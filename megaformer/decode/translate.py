@@ -1,20 +1,20 @@
-"""``megaformer translate``: raw text in, detokenized translations out, in input order.
+"""Translating raw text: detokenized translations out, in input order (``translate`` and ``evaluate`` use it).
 
 Lines are encoded with the sentencepiece model stored in the checkpoint (plus the eos
 every training source ends with), sorted by length and cut into batches of at most
-``--max-tokens`` source tokens (batch size x longest source, padding included; a longer
+``max_tokens`` source tokens (batch size x longest source, padding included; a longer
 sentence goes alone), searched (:mod:`megaformer.decode.beam`), and written back in
 input order. An empty line gives an empty line. Progress (sentences/s) goes to stderr.
 
-``--tp N`` > 1 starts N local processes (gloo on a CPU, nccl with GPUs), each holding
+``tp`` > 1 starts that many local processes (gloo on a CPU, nccl with GPUs), each holding
 1/N of every layer; they search in lock step and rank 0 hands the hypotheses back.
 Tokenization, checks and output stay in this process, so bad input fails before any
-process starts.
+process starts. The commands are :mod:`megaformer.commands.translate` and
+:mod:`megaformer.commands.evaluate`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -26,26 +26,13 @@ import sentencepiece as spm
 import torch
 
 from megaformer.checkpoint import Consolidated, resolve_checkpoint
-from megaformer.cli_args import (
-    existing_file,
-    existing_path,
-    finite_float,
-    int_range,
-    new_file,
-    positive_int,
-    refuse_output_over_inputs,
-)
-from megaformer.config import RANGES, ParallelConfig
+from megaformer.config import ParallelConfig
 from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.decode.beam import Hypothesis, SearchSettings, search
 from megaformer.decode.loading import build_model, check_layout, load_model_file, load_tokenizer
 from megaformer.errors import ConfigError, DataError, MegaformerError
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, ParallelContext
-
-# The search options' bounds are the config's (decode.max_len_a, decode.max_len_b): beyond them
-# a * n + b no longer fits an int64, and the output is capped at model.max_positions - 1 anyway.
-MAX_LEN_A, MAX_LEN_B = RANGES[("decode", "max_len_a")][1], RANGES[("decode", "max_len_b")][1]
 
 # ---- text -----------------------------------------------------------------------------------
 
@@ -269,41 +256,6 @@ def translate_text(
     return ["" if h is None else sp.decode(h.tokens) for h in hyps], seconds
 
 
-# ---- the command ----------------------------------------------------------------------------
-
-
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``translate`` and ``evaluate``; unset ones come from the checkpoint's config."""
-    parser.add_argument(
-        "--ckpt",
-        type=existing_path,
-        required=True,
-        help="model file, checkpoint step directory, or run directory (its newest complete checkpoint)",
-    )
-    parser.add_argument(
-        "--beam", type=positive_int, help="beam size (default: the checkpoint's decode.beam, the paper's 4)"
-    )
-    parser.add_argument(
-        "--lenpen", type=finite_float(0.0), help="length penalty alpha >= 0 (default: decode.lenpen, the paper's 0.6)"
-    )
-    parser.add_argument(
-        "--max-len-a",
-        type=finite_float(0.0, MAX_LEN_A),
-        help="at most a * source length + b output tokens, and never more than model.max_positions - 1 "
-        "(default: decode.max_len_a)",
-    )
-    parser.add_argument("--max-len-b", type=int_range(0, MAX_LEN_B), help="(default: decode.max_len_b)")
-    parser.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        help="source tokens per decoding batch, padding included (default: decode.max_tokens, 4096)",
-    )
-    parser.add_argument(
-        "--tp", type=positive_int, default=1, help="tensor-parallel processes to decode with (default 1)"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
-
-
 def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
     """The model at ``path`` and what was read: the file, or the step directory a run directory resolves to.
 
@@ -315,42 +267,3 @@ def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
     if path.is_dir() and not exported:  # resolve_checkpoint says each skipped checkpoint and the older one it uses
         path = resolve_checkpoint(path, log=lambda message: print(f"megaformer {command}: {message}", file=sys.stderr))
     return load_model_file(path), path
-
-
-def max_tokens_from_args(args: argparse.Namespace, model: Consolidated) -> int:
-    """``--max-tokens``, else the checkpoint's ``decode.max_tokens``: every search option defaults to decode.*."""
-    return args.max_tokens if args.max_tokens is not None else model.config.decode.max_tokens
-
-
-def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchSettings:
-    try:
-        return SearchSettings.from_config(
-            model.config.decode, beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b
-        )
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", type=existing_file, help="text to translate, one sentence a line (default: stdin)")
-    parser.add_argument("--output", type=new_file, help="where the translations go (default: stdout)")
-    add_search_arguments(parser)
-
-
-def main(args: argparse.Namespace) -> int:
-    refuse_output_over_inputs("--output", args.output, [("--input file", args.input)], "translations")
-    lines = read_text_lines(args.input)
-    model, ckpt = open_model(args.ckpt, "translate")
-    refuse_output_over_inputs("--output", args.output, [("checkpoint", ckpt)], "translations")
-    out, _ = translate_text(
-        ckpt,
-        model,
-        lines,
-        settings_from_args(args, model),
-        max_tokens=max_tokens_from_args(args, model),
-        tp=args.tp,
-        quiet=args.quiet,
-        source=args.input or "stdin",
-    )
-    write_lines(args.output, out)
-    return 0

@@ -19,16 +19,9 @@ import logging
 from sacrebleu.metrics import BLEU
 
 from megaformer.cli_args import existing_file, new_file, refuse_output_over_inputs
+from megaformer.commands.translate import add_search_arguments, max_tokens_from_args, settings_from_args
 from megaformer.decode.evaluate import corpus_scores
-from megaformer.decode.translate import (
-    add_search_arguments,
-    max_tokens_from_args,
-    open_model,
-    read_text_lines,
-    settings_from_args,
-    translate_text,
-    write_lines,
-)
+from megaformer.decode.translate import open_model, read_text_lines, translate_text, write_lines
 from megaformer.errors import ConfigError, DataError
 
 
