@@ -41,8 +41,10 @@ class Command:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("prepare", "megaformer.data.prepare", "clean parallel text, train sentencepiece, write webdataset shards"),
-    Command("inspect", "megaformer.data.inspect", "summarise a prepared data directory"),
+    Command(
+        "prepare", "megaformer.commands.prepare", "clean parallel text, train sentencepiece, write webdataset shards"
+    ),
+    Command("inspect", "megaformer.commands.inspect", "summarise a prepared data directory"),
     Command("info", "megaformer.info", "parameters, FLOPs and memory of a config"),
     Command("parity", "megaformer.parity", "check a TP=N model against TP=1 on this installation"),
     Command(

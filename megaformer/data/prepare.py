@@ -1,51 +1,36 @@
-"""``megaformer prepare``: parallel text -> cleaned pairs -> shared sentencepiece -> shards + manifest.
-
-    megaformer prepare --src en --tgt de --train PREFIX [--train PREFIX ...]
-        [--valid PREFIX] [--test PREFIX] --out DIR [--vocab-size N] [--spm MODEL] [--shard-size N]
-    megaformer prepare --synthetic N --out DIR        # the built-in corpus (data/synthetic.py)
+"""Preparing parallel text: cleaned pairs -> shared sentencepiece -> shards + manifest (:func:`prepare`).
 
 Steps: read each corpus in step and filter the training pairs (counted by reason,
 see :mod:`megaformer.data.corpus`); train one BPE model on the cleaned training text of
-both sides (or reuse ``--spm``); encode; write training pairs in a seeded random order
-(so that every shard is a uniform sample) and valid/test pairs in line order; write the
-manifest last (format: :mod:`megaformer.data.shards`).
+both sides (or reuse ``PrepareSettings.spm``); encode; write training pairs in a seeded
+random order (so that every shard is a uniform sample) and valid/test pairs in line
+order; write the manifest last (format: :mod:`megaformer.data.shards`).
 
-``--bpe-dropout P --bpe-copies K`` stores K BPE-dropout segmentations of every kept
+``bpe_dropout`` P with ``bpe_copies`` K stores K BPE-dropout segmentations of every kept
 training pair instead of its one plain segmentation (subword regularisation done once,
 when the data is prepared, so streaming stays a read of token ids): the length filters
 judge the plain segmentation, and a sampled one that breaks them is replaced by it.
 
 The output is built in ``DIR.tmp-XXXX`` next to ``DIR`` and renamed into place at the
-end: an interrupted run leaves no ``DIR`` (and never one with a manifest). An existing
-non-empty ``DIR`` is replaced only with ``--force``, and only when an earlier prepare
-wrote it (its manifest.json): never a folder of other files, the working directory, a
-folder above it, or a folder holding an input. The same inputs and ``--seed`` give
-byte-identical shards, tokenizer and manifest.
+end: an interrupted run leaves no ``DIR`` (and never one with a manifest). The same
+inputs and seed give byte-identical shards, tokenizer and manifest. What may be replaced
+(``--force``) and what is refused is decided by ``megaformer prepare``
+(:mod:`megaformer.commands.prepare`); :func:`made_by_prepare` tells it an earlier output.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from megaformer.cli_args import (
-    existing_file,
-    finite_float,
-    int_range,
-    new_dir,
-    nonneg_int,
-    positive_int,
-    refuse_output_over_inputs,
-    refuse_to_replace,
-)
 from megaformer.config import DataConfig
 from megaformer.data.corpus import (
     FilterSettings,
@@ -67,115 +52,34 @@ _ENCODE_CHUNK = 10000  # lines encoded per sentencepiece call
 SYNTHETIC_VOCAB = 1000
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Four groups: input corpora, output folder, tokenizer, training-data filters."""
-    defaults = DataConfig()
-    _add_input_arguments(parser.add_argument_group("input"), defaults)
-    _add_output_arguments(parser.add_argument_group("output"), defaults)
-    _add_tokenizer_arguments(parser.add_argument_group("tokenizer"), defaults)
-    _add_filter_arguments(parser.add_argument_group("training-data filters (valid/test keep every line)"), defaults)
+@dataclass(frozen=True)
+class PrepareSettings:
+    """One ``prepare`` run: the corpora read, the tokenizer trained (or reused), the filters and the shards written.
 
+    ``train`` prefixes are concatenated (``PREFIX.<src>`` / ``PREFIX.<tgt>``, plain or .gz);
+    ``valid`` and ``test`` keep every line. ``synthetic`` N generates the built-in corpus
+    of N training pairs (and its valid and test splits, languages xx/yy) inside the output
+    instead. ``spm`` reuses a sentencepiece model instead of training one of
+    ``vocab_size`` pieces on at most ``spm_sentences`` sentences (0 = all).
+    ``bpe_dropout`` P > 0 stores ``bpe_copies`` sampled segmentations of every training pair.
+    """
 
-def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) -> None:
-    data.add_argument("--src", default=defaults.src_lang, help="source language suffix (default: %(default)s)")
-    data.add_argument("--tgt", default=defaults.tgt_lang, help="target language suffix (default: %(default)s)")
-    data.add_argument(
-        "--train",
-        action="append",
-        default=[],
-        metavar="PREFIX",
-        help="training corpus PREFIX.<src> / PREFIX.<tgt> (plain or .gz); repeat to concatenate corpora",
-    )
-    data.add_argument("--valid", metavar="PREFIX", help="validation corpus (every line kept)")
-    data.add_argument("--test", metavar="PREFIX", help="test corpus (every line kept)")
-    data.add_argument(
-        "--synthetic",
-        type=positive_int,
-        metavar="N",
-        help=f"generate the built-in corpus with N training pairs (languages {SRC_LANG}/{TGT_LANG}) instead of --train",
-    )
-
-
-def _add_output_arguments(out: argparse._ArgumentGroup, defaults: DataConfig) -> None:
-    out.add_argument("--out", type=new_dir, required=True, metavar="DIR", help="directory to create")
-    out.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
-    out.add_argument(
-        "--shard-size", type=positive_int, default=10000, metavar="N", help="samples per shard (default: %(default)s)"
-    )
-    out.add_argument(
-        "--seed",
-        type=int_range(0, 2**32 - 1),
-        default=defaults.seed,
-        metavar="N",
-        help="seed of the BPE sample, the order of training pairs in the shards and --synthetic (default: %(default)s)",
-    )
-    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
-
-
-def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig) -> None:
-    tok.add_argument(
-        "--vocab-size",
-        type=int_range(8),
-        metavar="N",
-        help=f"shared BPE vocabulary (default: {defaults.vocab_size}; {SYNTHETIC_VOCAB} with --synthetic)",
-    )
-    tok.add_argument(
-        "--spm", type=existing_file, metavar="MODEL", help="reuse this sentencepiece model instead of training one"
-    )
-    tok.add_argument(
-        "--spm-sentences",
-        type=nonneg_int,
-        default=10_000_000,
-        metavar="N",
-        help="train BPE on a seeded sample of at most N sentences, 0 = all (default: %(default)s)",
-    )
-    tok.add_argument(
-        "--character-coverage",
-        type=finite_float(0.0, 1.0, lo_open=True),
-        default=1.0,
-        metavar="F",
-        help="sentencepiece character coverage (default: %(default)s)",
-    )
-    tok.add_argument(
-        "--bpe-dropout",
-        type=finite_float(0.0, 1.0, hi_open=True),
-        default=0.0,
-        metavar="P",
-        help="segment the training pairs with BPE-dropout P (each merge skipped with probability P; "
-        "valid and test keep the plain segmentation), 0 = off (default: %(default)s)",
-    )
-    tok.add_argument(
-        "--bpe-copies",
-        type=int_range(1, 1000),
-        default=1,
-        metavar="K",
-        help="with --bpe-dropout: store K sampled segmentations of every training pair (default: %(default)s)",
-    )
-
-
-def _add_filter_arguments(filt: argparse._ArgumentGroup, defaults: DataConfig) -> None:
-    filt.add_argument(
-        "--max-len",
-        type=nonneg_int,
-        default=defaults.max_len,
-        metavar="N",
-        help="drop pairs with more than N tokens on a side, 0 = no limit (default: %(default)s)",
-    )
-    filt.add_argument(
-        "--max-ratio",
-        type=finite_float(0.0),
-        default=9.0,
-        metavar="R",
-        help="drop pairs whose longer side has over R times the tokens of the shorter, 0 = off (default: %(default)s)",
-    )
-    filt.add_argument("--no-dedup", action="store_true", help="keep exact duplicate pairs")
-    filt.add_argument("--keep-empty", action="store_true", help="keep pairs with an empty side")
-    filt.add_argument(
-        "--on-bad-line",
-        choices=("reject", "error"),
-        default="reject",
-        help="a training line that is not UTF-8: count it as a reject, or stop (default: %(default)s)",
-    )
+    train: tuple[str, ...] = ()
+    valid: str | None = None
+    test: str | None = None
+    synthetic: int | None = None
+    src: str = DataConfig.src_lang
+    tgt: str = DataConfig.tgt_lang
+    vocab_size: int = DataConfig.vocab_size
+    spm: str | None = None
+    spm_sentences: int = 10_000_000
+    character_coverage: float = 1.0
+    bpe_dropout: float = 0.0
+    bpe_copies: int = 1
+    filters: FilterSettings = field(default_factory=FilterSettings)
+    shard_size: int = 10000
+    seed: int = DataConfig.seed
+    quiet: bool = False
 
 
 class Progress:
@@ -251,17 +155,11 @@ def _read_clean(path_src: Path, path_tgt: Path) -> Iterator[tuple[str, str]]:
 class Preparation:
     """One run of ``prepare`` into the directory ``work`` (renamed to ``final`` by the caller)."""
 
-    def __init__(self, args: argparse.Namespace, work: Path, final: Path) -> None:
-        self.args, self.work, self.final = args, work, final
-        self.src, self.tgt = args.src, args.tgt
-        self.progress = Progress(args.quiet)
-        self.filters = FilterSettings(
-            keep_empty=args.keep_empty,
-            dedup=not args.no_dedup,
-            max_len=args.max_len,
-            max_ratio=args.max_ratio,
-            on_bad_line=args.on_bad_line,
-        )
+    def __init__(self, settings: PrepareSettings, work: Path, final: Path) -> None:
+        self.settings, self.work, self.final = settings, work, final
+        self.src, self.tgt = settings.src, settings.tgt
+        self.progress = Progress(settings.quiet)
+        self.filters = settings.filters
         self.splits: dict[str, dict] = {}
 
     def _where(self, path: str) -> str:
@@ -269,7 +167,8 @@ class Preparation:
         p = Path(path)
         return str(self.final / p.relative_to(self.work.resolve())) if p.is_relative_to(self.work.resolve()) else path
 
-    def run(self, train: list[str], valid: str | None, test: str | None) -> None:
+    def run(self) -> None:
+        train, valid, test = list(self.settings.train), self.settings.valid, self.settings.test
         for prefix in (valid, test):  # small: check them before the long part
             if prefix is not None:
                 for line in ParallelCorpus(prefix, self.src, self.tgt):
@@ -290,13 +189,13 @@ class Preparation:
             "tgt_lang": self.tgt,
             "tokenizer": {
                 **tokenizer.describe(),
-                "trained": self.args.spm is None,
-                **({"source": str(Path(self.args.spm).resolve())} if self.args.spm else {}),
+                "trained": self.settings.spm is None,
+                **({"source": str(Path(self.settings.spm).resolve())} if self.settings.spm else {}),
             },
             "token_dtype": str(token_dtype(tokenizer.vocab_size)),
             "filters": self.filters.to_json(),
-            "seed": self.args.seed,
-            "shard_size": self.args.shard_size,
+            "seed": self.settings.seed,
+            "shard_size": self.settings.shard_size,
             "note": "Only train is filtered (rejects counted by reason) and stored in a seeded random order. "
             "valid and test keep every line in order: sample i is line i+1; their raw text is in raw.src / raw.ref.",
             "splits": self.splits,
@@ -324,8 +223,8 @@ class Preparation:
 
     def _tokenizer(self, prefixes: list[str], clean_src: Path, clean_tgt: Path, counts: SplitCounts) -> Tokenizer:
         model = self.work / "spm.model"
-        if self.args.spm:
-            given = Tokenizer(self.args.spm)
+        if self.settings.spm:
+            given = Tokenizer(self.settings.spm)
             shutil.copyfile(given.path, model)
         else:
             if counts.kept == 0:
@@ -336,15 +235,15 @@ class Preparation:
             train_bpe(
                 [clean_src, clean_tgt],
                 model,
-                self.args.vocab_size,
-                seed=self.args.seed,
-                max_sentences=self.args.spm_sentences,
-                character_coverage=self.args.character_coverage,
+                self.settings.vocab_size,
+                seed=self.settings.seed,
+                max_sentences=self.settings.spm_sentences,
+                character_coverage=self.settings.character_coverage,
                 described_as=f"the cleaned training text of {', '.join(prefixes)}",
             )
-            if not self.args.quiet:
+            if not self.settings.quiet:
                 print(
-                    f"prepare: trained BPE with {self.args.vocab_size} pieces in {time.monotonic() - started:.1f}s",
+                    f"prepare: trained BPE with {self.settings.vocab_size} pieces in {time.monotonic() - started:.1f}s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -356,7 +255,7 @@ class Preparation:
         dtype = token_dtype(tokenizer.vocab_size)
         encoded = EncodedPairs(dtype)
         counts.kept = 0  # recounted after the length filters
-        dropout, copies = self.args.bpe_dropout, self.args.bpe_copies
+        dropout, copies = self.settings.bpe_dropout, self.settings.bpe_copies
         for index, chunk in enumerate(_chunks(_read_clean(clean_src, clean_tgt), _ENCODE_CHUNK)):
             src_ids = tokenizer.encode([s for s, _ in chunk])
             tgt_ids = tokenizer.encode([t for _, t in chunk])
@@ -373,7 +272,7 @@ class Preparation:
                 encoded.add(kept)
                 continue
             for copy in range(copies):
-                seeds = np.random.SeedSequence([self.args.seed, index, copy]).generate_state(2)
+                seeds = np.random.SeedSequence([self.settings.seed, index, copy]).generate_state(2)
                 sampled = zip(
                     tokenizer.encode_sampled([s for s, _ in text], dropout, int(seeds[0])),
                     tokenizer.encode_sampled([t for _, t in text], dropout, int(seeds[1])),
@@ -390,8 +289,8 @@ class Preparation:
                 f"--max-ratio {self.filters.max_ratio}): {dict(+counts.rejected)}"
             )
         self.progress.update("train", counts, final=True)
-        writer = ShardWriter(self.work, "train", self.args.shard_size, dtype)
-        for src, tgt in encoded.pairs(np.random.default_rng(self.args.seed).permutation(len(encoded))):
+        writer = ShardWriter(self.work, "train", self.settings.shard_size, dtype)
+        for src, tgt in encoded.pairs(np.random.default_rng(self.settings.seed).permutation(len(encoded))):
             writer.write(src, tgt)
         self.splits["train"] = {
             "filtered": True,
@@ -405,7 +304,7 @@ class Preparation:
     def _write_reference_split(self, split: str, prefix: str, tokenizer: Tokenizer) -> None:
         counts = SplitCounts()
         corpus = ParallelCorpus(prefix, self.src, self.tgt)
-        writer = ShardWriter(self.work, split, self.args.shard_size, token_dtype(tokenizer.vocab_size))
+        writer = ShardWriter(self.work, split, self.settings.shard_size, token_dtype(tokenizer.vocab_size))
         raw_src, raw_ref = f"{split}.{self.src}", f"{split}.{self.tgt}"
         self.progress.start()
         with (
@@ -435,7 +334,7 @@ class Preparation:
         }
 
 
-def _made_by_prepare(folder: Path) -> bool:
+def made_by_prepare(folder: Path) -> bool:
     """A folder written by an earlier ``prepare``: it holds a manifest.json of our format."""
     try:
         return json.loads((folder / "manifest.json").read_text()).get("format") == FORMAT
@@ -443,38 +342,32 @@ def _made_by_prepare(folder: Path) -> bool:
         return False
 
 
-def _check_out(out: Path, args: argparse.Namespace) -> None:
-    """DIR holds no input (``--force`` would delete it) and is new, empty, or an earlier prepare's output."""
-    inputs = [("input --train", t) for t in args.train]
-    inputs += [("input --valid", args.valid), ("input --test", args.test), ("input --spm", args.spm)]
-    refuse_output_over_inputs("--out", out, inputs, "prepared data")
-    refuse_to_replace("--out", out, args.force, _made_by_prepare, "no manifest.json of megaformer prepare")
+def _with_synthetic_corpus(settings: PrepareSettings, folder: Path) -> PrepareSettings:
+    """``settings`` reading the built-in corpus of ``settings.synthetic`` pairs, generated into ``folder``."""
+    held_out = max(1, min(1000, settings.synthetic // 10))
+    prefixes = write_synthetic_corpus(folder, settings.synthetic, held_out, held_out, settings.seed)
+    return replace(
+        settings,
+        src=SRC_LANG,
+        tgt=TGT_LANG,
+        train=(str(prefixes["train"]),),
+        valid=str(prefixes["valid"]),
+        test=str(prefixes["test"]),
+    )
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.synthetic is not None and args.train:
-        raise DataError("--synthetic generates its own corpus: do not also give --train")
-    if args.synthetic is None and not args.train:
-        raise DataError("give at least one --train PREFIX (or --synthetic N for the built-in corpus)")
-    if args.vocab_size is None:
-        args.vocab_size = SYNTHETIC_VOCAB if args.synthetic is not None else DataConfig().vocab_size
-    if args.bpe_copies > 1 and args.bpe_dropout == 0:
-        raise DataError(
-            f"--bpe-copies {args.bpe_copies} without --bpe-dropout would store one segmentation "
-            f"{args.bpe_copies} times: give --bpe-dropout P (0.1 is the usual value) or leave --bpe-copies out"
-        )
-    out = Path(args.out).absolute()
-    _check_out(out, args)
-    with atomic_output(out, replace=True) as work:  # the folder appears complete, or not at all
-        train, valid, test = args.train, args.valid, args.test
-        if args.synthetic is not None:
-            args.src, args.tgt = SRC_LANG, TGT_LANG
-            held_out = max(1, min(1000, args.synthetic // 10))
-            prefixes = write_synthetic_corpus(work / "corpus", args.synthetic, held_out, held_out, args.seed)
-            train, valid, test = [str(prefixes["train"])], str(prefixes["valid"]), str(prefixes["test"])
+def prepare(settings: PrepareSettings, out: Path, before_commit: Callable[[], None] = lambda: None) -> float:
+    """Write the prepared data of ``settings`` to the folder ``out``; the seconds it took (after any corpus generation).
+
+    The folder is built beside ``out`` and renamed into place at the end, so it appears
+    complete or not at all; an existing ``out`` is replaced then (whether it may be is the
+    caller's decision). ``before_commit`` runs just before the rename: ``megaformer
+    prepare`` checks there again that ``out`` holds no input.
+    """
+    with atomic_output(out, replace=True) as work:
+        if settings.synthetic is not None:
+            settings = _with_synthetic_corpus(settings, work / "corpus")
         started = time.monotonic()
-        Preparation(args, work, out).run(train, valid, test)
-        _check_out(out, args)  # again: something may have appeared meanwhile
-    if not args.quiet:
-        print(f"prepare: wrote {out} in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    return 0
+        Preparation(settings, work, out).run()
+        before_commit()
+    return time.monotonic() - started

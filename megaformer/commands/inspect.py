@@ -2,29 +2,22 @@
 
 Per split: lines read, kept and rejected by reason, samples, tokens, shards; a histogram
 of token lengths; the share of padding in the batches the training stream would build
-for one epoch at ``--max-tokens`` (both sides, eos/bos included, one DP rank).
+for one epoch at ``--max-tokens`` (:func:`megaformer.data.summary.summarize`).
 ``--json`` prints the same as one JSON object (keys per split include ``read``,
 ``kept``, ``rejected`` and ``padding_waste``). ``--verify`` also reads every shard
-through and checks its sample count, sha256, token ids and lengths (the lengths index's
-sha256 is checked whenever a split is opened); ``--spm MODEL`` checks that the data
-was made with that tokenizer.
+through and checks its sample count, sha256, token ids and lengths; ``--spm MODEL``
+checks that the data was made with that tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-
-import numpy as np
 
 from megaformer.cli_args import existing_file, existing_path, positive_int
 from megaformer.config import DataConfig
-from megaformer.data.shards import manifest_path, read_manifest, verify_split
-from megaformer.data.stream import PlanSettings, open_prepared, padding_waste, plan_epoch
+from megaformer.data.summary import summarize
 from megaformer.errors import DataError
-
-BIN_WIDTH = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,57 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False, spm: str | None = None) -> dict:
-    """The report as a dict (what ``--json`` prints)."""
-    mpath = manifest_path(path)
-    manifest = read_manifest(mpath)
-    defaults = DataConfig()
-    summary = {
-        "dir": str(mpath.parent),
-        "src_lang": manifest["src_lang"],
-        "tgt_lang": manifest["tgt_lang"],
-        "tokenizer": manifest["tokenizer"],
-        "max_tokens": max_tokens,
-        "splits": {},
-    }
-    for name, entry in manifest["splits"].items():
-        data = open_prepared(mpath, name, spm=spm)
-        settings = PlanSettings(
-            dp_size=1,
-            max_tokens=max_tokens,
-            max_len=0,
-            shuffle_buffer=defaults.shuffle_buffer,
-            sort_buffer=sort_buffer,
-            seed=defaults.seed,
-            shuffle=name == "train",
-        )
-        batches = plan_epoch(data, settings, epoch=0)[0].batches if len(data.lengths) else []
-        bins = int(data.lengths.max(initial=0)) // BIN_WIDTH + 1
-        summary["splits"][name] = {
-            "read": entry["read"],
-            "kept": entry["kept"],
-            "rejected": entry["rejected"],
-            "samples": entry["samples"],
-            "src_tokens": entry.get("src_tokens"),
-            "tgt_tokens": entry.get("tgt_tokens"),
-            "shards": len(entry["shards"]),
-            "batches": len(batches),
-            "padding_waste": round(padding_waste(batches, data.lengths), 5),
-            "length_histogram": {
-                "bin_width": BIN_WIDTH,
-                "src": np.bincount(data.lengths[:, 0] // BIN_WIDTH, minlength=bins).tolist(),
-                "tgt": np.bincount(data.lengths[:, 1] // BIN_WIDTH, minlength=bins).tolist(),
-            },
-        }
-        for url in data.urls:  # cheap, so always: a deleted shard is noticed without --verify
-            if not Path(url).is_file():
-                raise DataError(f"{url}: listed in {mpath} but missing (run megaformer prepare again)")
-        if verify:  # the lengths index's sha256 was checked when the split was opened
-            verify_split(data)
-    return summary
-
-
-def _report(summary: dict) -> str:
+def report(summary: dict) -> str:
+    """The text report of a :func:`summarize` dict: a table of the splits, then each split's length histogram."""
     tok = summary["tokenizer"]
     lines = [
         f"{summary['dir']}: {summary['src_lang']} -> {summary['tgt_lang']}, tokenizer {tok['file']} "
@@ -136,5 +80,5 @@ def main(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise DataError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     summary = summarize(args.dir, args.max_tokens, args.sort_buffer, args.verify, args.spm)
-    print(json.dumps(summary, indent=1) if args.json else _report(summary))
+    print(json.dumps(summary, indent=1) if args.json else report(summary))
     return 0
