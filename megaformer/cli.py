@@ -45,8 +45,8 @@ COMMANDS: tuple[Command, ...] = (
         "prepare", "megaformer.commands.prepare", "clean parallel text, train sentencepiece, write webdataset shards"
     ),
     Command("inspect", "megaformer.commands.inspect", "summarise a prepared data directory"),
-    Command("info", "megaformer.info", "parameters, FLOPs and memory of a config"),
-    Command("parity", "megaformer.parity", "check a TP=N model against TP=1 on this installation"),
+    Command("info", "megaformer.commands.info", "parameters, FLOPs and memory of a config"),
+    Command("parity", "megaformer.commands.parity", "check a TP=N model against TP=1 on this installation"),
     Command(
         "train",
         "megaformer.commands.train",

@@ -1,4 +1,4 @@
-"""``megaformer parity``: a TP=N model against the TP=1 model from the same seed.
+"""A TP=N model against the TP=1 model from the same seed (``megaformer parity``).
 
 Builds the tensor-parallel model and an unsplit reference from one seed, runs
 forward and backward on a fixed random batch with dropout on, and prints the largest
@@ -9,15 +9,13 @@ torchrun, srun or the DeepSpeed launcher it uses the processes it was given.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from megaformer.cli_args import existing_file, finite_float, positive_int
-from megaformer.config import Config, load_config
+from megaformer.config import Config
 from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.errors import ConfigError
 from megaformer.parallel import (
@@ -188,7 +186,7 @@ def _check_pipeline_parity(
     cfg: Config, ctx: ParallelContext, batch: tuple[torch.Tensor, ...], micro_batches: int
 ) -> ParityReport | None:
     """The PP (x TP) pipeline over ``micro_batches`` slices of ``batch`` against the unsplit model over the same."""
-    _check_micro_batches(micro_batches, batch[0].shape[0])
+    check_micro_batches(micro_batches, batch[0].shape[0])
     micro = [tuple(t.tensor_split(micro_batches)[k] for t in batch) for k in range(micro_batches)]
     tokens = int(batch[2].ne(PAD_ID).sum())
     loss, grads = _pipeline_loss_and_grads(cfg, ctx, micro, tokens)
@@ -205,75 +203,81 @@ def _check_pipeline_parity(
     return report
 
 
-def _check_micro_batches(micro_batches: int, rows: int) -> None:
+def check_micro_batches(micro_batches: int, rows: int) -> None:
     if micro_batches > rows:
         raise ConfigError(f"--micro-batches {micro_batches} is more than the --batch {rows} rows to cut")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=existing_file, required=True, help="YAML config (e.g. configs/tiny.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to check against TP=1")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages to check against one (1F1B, with --tp)")
-    p.add_argument(
-        "--micro-batches", type=positive_int, default=4, help="with --pp: the batch's rows cut into this many"
-    )
-    p.add_argument("--sequence-parallel", action="store_true", help="also split LayerNorm/dropout regions by sequence")
-    p.add_argument(
-        "--tolerance", type=finite_float(0.0), default=1e-5, help="largest relative difference accepted (fp32)"
-    )
-    p.add_argument("--batch", type=positive_int, default=4)
-    p.add_argument("--src-len", type=positive_int, default=24)
-    p.add_argument("--tgt-len", type=positive_int, default=12)
-    p.add_argument("--all", action="store_true", help="print every gradient, not only the worst ten")
+@dataclass(frozen=True)
+class ParitySettings:
+    """One ``parity`` check: the random batch, its micro-batches (with ``parallel.pp > 1``), what is accepted and shown.
+
+    ``tolerance`` is the largest relative difference accepted; ``show_all`` prints every
+    gradient, not only the worst ten.
+    """
+
+    batch: int = 4
+    src_len: int = 24
+    tgt_len: int = 12
+    micro_batches: int = 4
+    tolerance: float = 1e-5
+    show_all: bool = False
 
 
-def _rank_main(cfg: Config, args: argparse.Namespace) -> int:
+def _print_report(report: ParityReport, cfg: Config, settings: ParitySettings, backend: str) -> bool:
+    """The differences, largest first, and PASS or FAIL; True when within ``settings.tolerance``."""
+    rows = sorted(report.diffs.items(), key=lambda kv: -kv[1][1])
+    shown = (
+        rows
+        if settings.show_all
+        else [r for r in rows if not r[0].startswith("grad")] + [r for r in rows if r[0].startswith("grad")][:10]
+    )
+    layout = f"TP={cfg.parallel.tp} PP={cfg.parallel.pp}" if cfg.parallel.pp > 1 else f"TP={cfg.parallel.tp}"
+    cut = f", {settings.micro_batches} micro-batches, pp_split={cfg.parallel.pp_split or 'balanced'}"
+    print(
+        f"parity {layout} vs TP=1{cut if cfg.parallel.pp > 1 else ''} "
+        f"(sequence_parallel={cfg.parallel.sequence_parallel}, "
+        f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={backend})"
+    )
+    print(f"loss: {layout} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
+    print(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
+    for name, (diff, rel) in shown:
+        print(f"{name:60s} {diff:14.3e} {rel:12.3e}")
+    name, worst = report.worst()
+    ok = worst <= settings.tolerance
+    print(
+        f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance "
+        f"{settings.tolerance:.0e} over {sum(k.startswith('grad') for k in report.diffs)} gradients"
+    )
+    sys.stdout.flush()
+    return ok
+
+
+def _rank_main(cfg: Config, settings: ParitySettings) -> int:
+    """One rank of :func:`run_parity`; rank 0 prints the report. 0 within tolerance, 1 beyond."""
     from launcher.env import detect  # the rank, world size and master port the launcher set, checked
 
     info = detect()
     ctx = ParallelContext.initialize(cfg.parallel, info.rank, info.world_size, info.local_rank)
     try:
-        report = check_parity(cfg, ctx, args.batch, args.src_len, args.tgt_len, args.micro_batches)
+        s = settings
+        report = check_parity(cfg, ctx, s.batch, s.src_len, s.tgt_len, s.micro_batches)
         if report is None:
             return 0
-        rows = sorted(report.diffs.items(), key=lambda kv: -kv[1][1])
-        shown = (
-            rows
-            if args.all
-            else [r for r in rows if not r[0].startswith("grad")] + [r for r in rows if r[0].startswith("grad")][:10]
-        )
-        layout = f"TP={cfg.parallel.tp} PP={cfg.parallel.pp}" if cfg.parallel.pp > 1 else f"TP={cfg.parallel.tp}"
-        cut = f", {args.micro_batches} micro-batches, pp_split={cfg.parallel.pp_split or 'balanced'}"
-        print(
-            f"parity {layout} vs TP=1{cut if cfg.parallel.pp > 1 else ''} "
-            f"(sequence_parallel={cfg.parallel.sequence_parallel}, "
-            f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={ctx.backend})"
-        )
-        print(f"loss: {layout} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
-        print(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
-        for name, (diff, rel) in shown:
-            print(f"{name:60s} {diff:14.3e} {rel:12.3e}")
-        name, worst = report.worst()
-        ok = worst <= args.tolerance
-        print(
-            f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance {args.tolerance:.0e}"
-            f" over {sum(k.startswith('grad') for k in report.diffs)} gradients"
-        )
-        sys.stdout.flush()
-        return 0 if ok else 1
+        return 0 if _print_report(report, cfg, settings, ctx.backend) else 1
     finally:
         ctx.destroy()
 
 
-def main(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "parallel.dp=0"]
-    world = args.tp * args.pp
-    if args.sequence_parallel:
-        overrides.append("parallel.sequence_parallel=true")
-    cfg = load_config(args.config, overrides)
-    if args.pp > 1:
-        _check_micro_batches(args.micro_batches, args.batch)  # before any process starts
+def run_parity(cfg: Config, settings: ParitySettings) -> int:
+    """Check ``cfg``'s layout (TP x PP ranks) against TP=1: in this launch's processes, or in as many started here.
+
+    ``cfg.model.activation_checkpointing`` is switched off (``cfg`` is changed in place).
+    Under torchrun, srun or the DeepSpeed launcher the launch must have exactly tp x pp processes.
+    """
+    world = cfg.parallel.tp * cfg.parallel.pp
+    if cfg.parallel.pp > 1:
+        check_micro_batches(settings.micro_batches, settings.batch)  # before any process starts
     cfg.model.activation_checkpointing = False
     if "WORLD_SIZE" in os.environ:  # under torchrun / srun / the DeepSpeed launcher
         from launcher.env import detect
@@ -283,8 +287,8 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"parity runs on exactly --tp x --pp = {world} processes; this launch has WORLD_SIZE={given}"
             )
-        return _rank_main(cfg, args)
+        return _rank_main(cfg, settings)
     check_model_split(cfg.model, ParallelLayout.from_config(cfg.parallel, world).tp)  # fail before any process starts
     from launcher.local import spawn
 
-    return spawn(_rank_main, world, cfg, args)
+    return spawn(_rank_main, world, cfg, settings)

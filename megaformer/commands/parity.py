@@ -1,0 +1,49 @@
+"""``megaformer parity``: a TP=N (x PP) model against the TP=1 model from the same seed.
+
+``--tp`` and ``--pp`` set ``parallel.tp`` and ``parallel.pp`` of ``--config`` (with
+``parallel.dp=0``), and :func:`megaformer.parity.run_parity` runs the check: it starts
+tp x pp gloo processes itself, or uses those torchrun, srun or the DeepSpeed launcher
+gave it. Exits non-zero beyond ``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megaformer.cli_args import existing_file, finite_float, positive_int
+from megaformer.config import load_config
+from megaformer.parity import ParitySettings, run_parity
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=existing_file, required=True, help="YAML config (e.g. configs/tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to check against TP=1")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages to check against one (1F1B, with --tp)")
+    p.add_argument(
+        "--micro-batches", type=positive_int, default=4, help="with --pp: the batch's rows cut into this many"
+    )
+    p.add_argument("--sequence-parallel", action="store_true", help="also split LayerNorm/dropout regions by sequence")
+    p.add_argument(
+        "--tolerance", type=finite_float(0.0), default=1e-5, help="largest relative difference accepted (fp32)"
+    )
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--src-len", type=positive_int, default=24)
+    p.add_argument("--tgt-len", type=positive_int, default=12)
+    p.add_argument("--all", action="store_true", help="print every gradient, not only the worst ten")
+
+
+def main(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides) + [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "parallel.dp=0"]
+    if args.sequence_parallel:
+        overrides.append("parallel.sequence_parallel=true")
+    cfg = load_config(args.config, overrides)
+    settings = ParitySettings(
+        batch=args.batch,
+        src_len=args.src_len,
+        tgt_len=args.tgt_len,
+        micro_batches=args.micro_batches,
+        tolerance=args.tolerance,
+        show_all=args.all,
+    )
+    return run_parity(cfg, settings)
