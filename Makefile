@@ -46,7 +46,7 @@ test: install lint
 	$(PY) -m pytest -q tests --ignore=tests/test_slurm_cluster.py
 
 demo: install
-	$(PY) -m megaformer.demo
+	$(PY) -m megaformer.commands.demo
 
 multi30k: install
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \

@@ -1,22 +1,16 @@
-"""``megaformer env [--json]``: the launch environment megaformer resolved, for debugging a launch.
+"""The launch environment megaformer resolved, for debugging a launch (printed by ``megaformer env``).
 
-Prints what :func:`launcher.env.detect` makes of the variables torchrun, SLURM and the
-DeepSpeed launcher set (launcher kind, rank, local rank, world size, node list, master
-address and port), and the device, backend and threads a rank of this process would use.
-Run it inside the job (``srun megaformer env``) to see what each task sees.
+:func:`resolve` gives what :func:`launcher.env.detect` makes of the variables torchrun,
+SLURM and the DeepSpeed launcher set (launcher kind, rank, local rank, world size, node
+list, master address and port), and the device, backend and threads a rank of this
+process would use. The command is :mod:`megaformer.commands.env`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 from launcher.env import detect, expand_nodelist
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="one JSON object instead of aligned lines")
 
 
 def resolve(env: dict[str, str] | None = None) -> dict[str, object]:
@@ -47,13 +41,3 @@ def resolve(env: dict[str, str] | None = None) -> dict[str, object]:
         "slurm_job_id": env.get("SLURM_JOB_ID"),
         "slurm_cpus_per_task": env.get("SLURM_CPUS_PER_TASK"),
     }
-
-
-def main(args: argparse.Namespace) -> int:
-    found = resolve()
-    if args.json:
-        print(json.dumps(found))
-        return 0
-    for key, value in found.items():
-        print(f"{key:22} {','.join(value) if isinstance(value, list) else value}")
-    return 0

@@ -1,6 +1,6 @@
 """megaformer: train, decode and evaluate the Transformer of "Attention Is All You Need".
 
-One sub-command per job, each in the module that owns it, registered in :data:`COMMANDS`.
+One sub-command per job, each a module of :mod:`megaformer.commands`, registered in :data:`COMMANDS`.
 
 Every sub-command module exposes ``add_arguments(parser)`` and ``main(args) -> int``.
 Errors derived from :class:`megaformer.errors.MegaformerError`, and argument errors
@@ -26,8 +26,7 @@ from megaformer.errors import MegaformerError
 class Command:
     """A sub-command: the module that defines it (imported only when the command runs) and its help line.
 
-    ``add`` and ``main`` name the module's two functions; every module but one uses the
-    defaults (``export`` still shares its module with ``train`` until it has its own).
+    ``add`` and ``main`` name the module's two functions (``add_arguments`` and ``main`` in every command).
     """
 
     name: str
@@ -61,7 +60,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("translate", "megaformer.commands.translate", "translate raw text with a checkpoint or model file"),
     Command("evaluate", "megaformer.commands.evaluate", "translate a test set and score it (BLEU, chrF)"),
     Command("average", "megaformer.commands.average", "average the parameters of several checkpoints"),
-    Command("env", "launcher.envinfo", "the launch environment megaformer resolved: rank, nodes, master, device"),
+    Command(
+        "env", "megaformer.commands.env", "the launch environment megaformer resolved: rank, nodes, master, device"
+    ),
 )
 
 

@@ -1,22 +1,20 @@
-"""``make demo``: the whole pipeline on the built-in corpus, on a CPU, in a few minutes.
+"""The whole pipeline on the built-in corpus, on a CPU, in a few minutes (``make demo``).
 
 generate the corpus -> prepare shards -> train configs/tiny.yaml with 2 processes at
 TP=2 (half the steps) -> resume from the checkpoint for the rest -> translate a few
 test sentences -> BLEU on the test split -> where the logs are. Every step is a
 ``megaformer`` command, printed before it runs, so a newcomer can repeat any of them.
+The options are :mod:`megaformer.commands.demo`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-from megaformer.cli_args import int_range, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,29 +55,28 @@ def _train_options(run: Path, data: Path) -> list[str]:
     ]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", default="runs/demo", help="where the corpus, shards and run go")
-    p.add_argument("--pairs", type=positive_int, default=20000, help="training pairs of the built-in corpus")
-    p.add_argument("--steps", type=int_range(2), default=800, help="optimizer steps in all (half before the resume)")
-    args = p.parse_args()
+def run_demo(work: Path, pairs: int, steps: int) -> int:
+    """The demo in ``work``: ``pairs`` training pairs, ``steps`` optimizer steps in all (half before the resume).
+
+    The corpus and shards go to ``work/data``, the run to ``work/run``. A step that fails
+    ends the process with its status.
+    """
     started = time.monotonic()
-    work = ROOT / args.dir
     data, run = work / "data", work / "run"
     common = _train_options(run, data)
 
     if not (data / "manifest.json").is_file():
         _run(
             "generate the built-in corpus and prepare shards",
-            ["prepare", "--synthetic", str(args.pairs), "--out", str(data)],
+            ["prepare", "--synthetic", str(pairs), "--out", str(data)],
         )
     _run(
-        f"train at TP=2 (2 processes) to step {args.steps // 2}",
-        ["train", *common, "--resume", "none", "--set", f"train.max_steps={args.steps // 2}"],
+        f"train at TP=2 (2 processes) to step {steps // 2}",
+        ["train", *common, "--resume", "none", "--set", f"train.max_steps={steps // 2}"],
     )
     _run(
-        f"resume from the last checkpoint and train to step {args.steps}",
-        ["train", *common, "--resume", "auto", "--set", f"train.max_steps={args.steps}"],
+        f"resume from the last checkpoint and train to step {steps}",
+        ["train", *common, "--resume", "auto", "--set", f"train.max_steps={steps}"],
     )
     sample = data / "demo_sample.xx"
     lines = (data / "test.xx").read_text().splitlines()[:5]
@@ -111,7 +108,3 @@ def main() -> int:
         f"tensorboard --logdir {run / 'tensorboard'}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
