@@ -55,7 +55,7 @@ def test_resume_continues_batches_and_masks():
     state = _through_json(feed.state_dict())
     expected = [_step(feed) for _ in range(2)]
     resumed = _feed(2, 0, 1)
-    resumed.load_state_dict({"dp_ranks": [state], "same_rank": state})
+    resumed.load_state_dict(state)  # exactly what state_dict gave
     assert [_step(resumed) for _ in range(2)] == expected
 
 
@@ -67,7 +67,7 @@ def test_dp2_to_dp1_continues_both_streams_exactly():
     # What the two ranks would have done next, step by step, merged in stream order.
     expected = [sorted(_step(ranks[0]) + _step(ranks[1]), key=lambda b: b[0][0]) for _ in range(2)]
     one = _feed(stream_count(2, 1), 0, 1)
-    one.load_state_dict({"dp_ranks": states, "same_rank": states[0]})
+    one.load_replicas(states, states[0])
     assert [_step(one) for _ in range(2)] == expected
 
 
@@ -86,7 +86,7 @@ def test_other_stream_count_replans_from_the_old_position():
         _step(old)
     state = _through_json(old.state_dict())
     new = _feed(3, 0, 1)  # a DP size that does not divide the old streams
-    new.load_state_dict({"dp_ranks": [state], "same_rank": None})
+    new.load_replicas([state], None)
     assert all(s.position == 6 for s in new.sources.values())
     assert new.dropout[0]["shared"][1] == 0  # fresh dropout streams
 

@@ -33,7 +33,6 @@ QUICK = [
     "train.eval_interval=0",
     "train.save_interval=5",
     "train.keep_last=10",
-    "parallel.backend=gloo",
 ]
 
 
@@ -46,7 +45,7 @@ def _env() -> dict:
 
 def _train_argv(run_dir: Path, data: Path, *sets: str, extra: tuple[str, ...] = ()) -> list[str]:
     argv = [sys.executable, "-m", "megaformer.cli", "train", "--config", str(TINY), "--run-dir", str(run_dir)]
-    for s in [f"data.path={data}", *QUICK, *sets]:
+    for s in [f"data.path={data}", "parallel.backend=gloo", *QUICK, *sets]:  # CPU tensors, also where CUDA is
         argv += ["--set", s]
     return argv + list(extra)
 

@@ -236,7 +236,7 @@ def test_cooldown_of_a_time_budget_lasts_the_rest_of_the_time_at_the_rate_so_far
         paper = inverse_sqrt_lr(step + 1, 64, 100, lr_scale=2.0)  # tiny's d_model, common()'s schedule
         assert curve[step]["lr"] == pytest.approx(paper * (start + length - step) / (length + 1), rel=1e-9), step
     (saved,) = (run / "checkpoints").glob("step-*/meta.json")  # the one at the end, for a resume to go on with
-    assert json.loads(saved.read_text())["run"]["trainer"]["cooldown"] == [start, length]
+    assert json.loads(saved.read_text())["run"]["engine"]["cooldown"] == [start, length]
 
 
 # ---- resume at another layout -----------------------------------------------------------------------
@@ -295,11 +295,13 @@ def test_resume_with_a_malformed_trainer_state_is_refused(corpus, dp2_run, tmp_p
     _resume_from(dp2_run, 10, run)
     meta_path = run / "checkpoints" / "step-00000010" / "meta.json"
     meta = json.loads(meta_path.read_text())
-    meta["run"]["trainer"]["cooldown"] = [3]
+    meta["run"]["engine"]["cooldown"] = [3]
     meta_path.write_text(json.dumps(meta))
     proc = train(run, 2, [*common(corpus), "train.zero_stage=2", "train.max_steps=12"])
     assert proc.returncode != 0
-    assert str(meta_path) in proc.stderr and "run.trainer is malformed" in proc.stderr, proc.stderr[-2000:]
+    assert str(meta_path) in proc.stderr and "run.engine or run.trainer is malformed" in proc.stderr, proc.stderr[
+        -2000:
+    ]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 

@@ -271,7 +271,8 @@ class Engine:
 
     def state_dict(self) -> dict:
         """``tensors``: fp32 weights and Adam moments at this rank's TP shape, complete over DP;
-        ``counters``: step counts and the loss scaler. A collective over the DP group with ZeRO.
+        ``counters``: step counts, the loss scaler and the lr schedule's cool-down (its start
+        and length, or None). A collective over the DP group with ZeRO.
         """
         scaler = getattr(self.ds.optimizer, "loss_scaler", None)
         fields = {k: getattr(scaler, k) for k in LOSS_SCALER_FIELDS if scaler is not None and hasattr(scaler, k)}
@@ -282,6 +283,7 @@ class Engine:
                 "skipped_steps": self.ds.skipped_steps,
                 "optimizer_steps": optimizer_step_count(_inner(self)),
                 "loss_scaler": {k: (v.item() if torch.is_tensor(v) else v) for k, v in fields.items()},
+                "cooldown": None if self.cooldown is None else [self.cooldown.start, self.cooldown.length],
             },
         }
 
@@ -296,6 +298,17 @@ class Engine:
         for name, value in counters.get("loss_scaler", {}).items():
             if scaler is not None and hasattr(scaler, name):
                 setattr(scaler, name, value)
+        self.set_cooldown(cooldown_of(counters.get("cooldown")))  # also sets the lr to the step count's
+
+
+def cooldown_of(saved: list | None) -> Cooldown | None:
+    """The cool-down a state holds as ``[start, length]`` (None: none); ValueError for one that cannot be."""
+    if saved is None:
+        return None
+    start, length = (int(n) for n in saved)
+    if start < 0 or length < 1:
+        raise ValueError(f"cooldown {saved}: needs a start >= 0 and a length >= 1")
+    return Cooldown(start, length)
 
 
 def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine:

@@ -93,7 +93,11 @@ class DataFeed:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore from ``{"dp_ranks": [state_dict() of each old DP rank], "same_rank": state_dict() or None}``.
+        """Restore exactly what :meth:`state_dict` gave (this rank, the same layout)."""
+        self.load_replicas([state], state)
+
+    def load_replicas(self, dp_ranks: list[dict], same_rank: dict | None) -> None:
+        """Restore from the :meth:`state_dict` of every old DP rank, after a change of layout too.
 
         ``same_rank`` is the state of the old rank at this rank's (DP, TP) place, if one
         existed. With the same number of streams (any DP size that divides it) each
@@ -104,10 +108,10 @@ class DataFeed:
         """
         positions: dict[int, dict] = {}
         dropout: dict[int, dict] = {}
-        for s in state["dp_ranks"]:
+        for s in dp_ranks:
             positions.update({int(k): v for k, v in s["positions"].items()})
             dropout.update({int(k): v for k, v in s["dropout"].items()})
-        own = {int(k): v for k, v in (state.get("same_rank") or {}).get("dropout", {}).items()}
+        own = {int(k): v for k, v in (same_rank or {}).get("dropout", {}).items()}
         exact = len(positions) == self.streams
         for v in self.mine:
             self.sources[v].load_state_dict(positions[v] if exact else positions[min(positions)])

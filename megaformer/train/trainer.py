@@ -42,10 +42,10 @@ from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.parallel.stages import plan_stages
 from megaformer.pipeline.schedule import Pipeline
 from megaformer.train.device import configure_math, host_memory, require_cpp_compiler
-from megaformer.train.engine import Engine, build_engine
+from megaformer.train.engine import Engine, build_engine, cooldown_of
 from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
-from megaformer.train.schedule import Cooldown, cooldown_start, cooldown_time_reached
+from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 from megaformer.train.step import accumulate, pipeline_step
 from megaformer.train.validation import Validation
@@ -165,35 +165,24 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The trainer's own state: target tokens, training seconds and the best validation BLEU so far
-        (None before the first; the step is the engine's)."""
-        cooldown = self.engine.cooldown
-        return {
-            "tokens": self.tokens,
-            "train_seconds": self.train_seconds,
-            "best_bleu": self.best_bleu,
-            "cooldown": None if cooldown is None else [cooldown.start, cooldown.length],
-        }
+        (None before the first; the step and the lr schedule are the engine's)."""
+        return {"tokens": self.tokens, "train_seconds": self.train_seconds, "best_bleu": self.best_bleu}
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens, self.train_seconds = int(state["tokens"]), float(state["train_seconds"])
         best = state.get("best_bleu")  # absent in checkpoints written before BLEU was tracked
         self.best_bleu = None if best is None else float(best)
-        cooldown = state.get("cooldown")  # absent in checkpoints written before the cool-down existed
-        if cooldown is not None:
-            start, length = (int(n) for n in cooldown)
-            if start < 0 or length < 1:
-                raise ValueError(f"cooldown {cooldown}: needs a start >= 0 and a length >= 1")
-            cooldown = Cooldown(start, length)
-        self.engine.set_cooldown(cooldown)
+        if state.get("cooldown") is not None:  # checkpoints of before the cool-down moved to the engine's state
+            self.engine.set_cooldown(cooldown_of(state["cooldown"]))
 
     def _load(self, step_dir: Path) -> None:
         loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model, self._stage_counts())
-        self.engine.load_state_dict({"tensors": loaded.shard, "counters": loaded.run["engine"]})
         try:
+            self.engine.load_state_dict({"tensors": loaded.shard, "counters": loaded.run["engine"]})
             self.load_state_dict(loaded.run["trainer"])
         except (KeyError, TypeError, ValueError, IndexError) as err:
             raise CheckpointError(
-                f"{step_dir / 'meta.json'}: run.trainer is malformed ({type(err).__name__}: {err}); "
+                f"{step_dir / 'meta.json'}: run.engine or run.trainer is malformed ({type(err).__name__}: {err}); "
                 f"resume from another checkpoint"
             ) from None
         if (cooldown := self.engine.cooldown) is not None and not self.cfg.train.cooldown_fraction:
@@ -203,12 +192,7 @@ class Trainer:
             )
             self.engine.set_cooldown(None)
         same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
-        self.feed.load_state_dict(
-            {
-                "dp_ranks": [r["feed"] for r in loaded.replicas_of_dp_ranks()],
-                "same_rank": same_rank and same_rank["feed"],
-            }
-        )
+        self.feed.load_replicas([r["feed"] for r in loaded.replicas_of_dp_ranks()], same_rank and same_rank["feed"])
         if loaded.rank is not None:
             torch.set_rng_state(loaded.rank["torch_rng"])
         old, new = loaded.meta["layout"], self.ctx.layout
