@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# DeepSpeed JIT-compiles an op on first use; keep it between runs.
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# DeepSpeed JIT-compiles an op on first use (~45 s); keep it between runs and clones (keyed by its sources).
+export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megaformer/torch_extensions
 # Install the local CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
@@ -25,7 +25,7 @@ M30K_PRECISION ?= $(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo
 M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * ("$(M30K_PRECISION)" == "bf16" ? 125 : 45) }')
 M30K_DROPOUT := $(shell awk 'BEGIN { print ($(M30K_STEPS) < 3600) ? 0.15 : 0.25 }')
 
-.PHONY: install lint test demo multi30k clean
+.PHONY: install lint test check demo multi30k clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,12 @@ lint: install
 test: install lint
 	$(PY) -m pytest -q tests/test_slurm_cluster.py
 	$(PY) -m pytest -q tests --ignore=tests/test_slurm_cluster.py
+
+# The inner loop: lint and the tests that need no training run, cluster or compiler (under 2 minutes on 2 cores).
+CHECK_TESTS := test_house test_config test_layout test_batching test_rng test_model test_data_corpus \
+	test_data_synthetic test_feed test_state_round_trip test_cpu_backend test_device_path test_decode_search test_cli_inputs
+check: install lint
+	$(PY) -m pytest -q -x $(foreach t,$(CHECK_TESTS),tests/$(t).py)
 
 demo: install
 	$(PY) -m megaformer.commands.demo

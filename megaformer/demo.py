@@ -49,9 +49,9 @@ def _train_options(run: Path, data: Path) -> list[str]:
         "--set",
         "train.log_interval=25",
         "--set",
-        "train.eval_interval=100",
+        "train.eval_interval=150",
         "--set",
-        "train.save_interval=100",
+        "train.save_interval=150",
     ]
 
 

@@ -17,7 +17,7 @@ from megaformer.demo import ROOT, run_demo
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="runs/demo", help="where the corpus, shards and run go")
     p.add_argument("--pairs", type=positive_int, default=20000, help="training pairs of the built-in corpus")
-    p.add_argument("--steps", type=int_range(2), default=800, help="optimizer steps in all (half before the resume)")
+    p.add_argument("--steps", type=int_range(2), default=600, help="optimizer steps in all (half before the resume)")
 
 
 def main(args: argparse.Namespace) -> int:

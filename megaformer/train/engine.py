@@ -484,6 +484,15 @@ def _import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]],
 
 
 def _rewind_schedule(sched: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
-    """Set every param group's lr to the schedule's value after ``steps`` updates."""
+    """Set every param group's lr to the schedule's value after ``steps`` updates.
+
+    torch warns when a scheduler steps before its optimizer ever did ("lr_scheduler.step()
+    before optimizer.step()"), which is what setting a resumed schedule looks like; no
+    value of the schedule is skipped here, so that warning is not shown to the user.
+    """
     sched.last_epoch = steps - 1
-    sched.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
+        )
+        sched.step()

@@ -12,6 +12,7 @@ seen once, see :mod:`megaformer.data.stream`).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +80,20 @@ class DataFeed:
         return min(s.epoch for s in self.sources.values())
 
     # ---- checkpoint state -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the streams' loader workers now (their queues' semaphores are released with them).
+
+        A rank ends with ``os._exit`` under the local launcher, which skips the collection
+        that would otherwise stop the workers, and Python's resource tracker then warns of
+        leaked semaphores.
+        """
+        for it in self.iterators.values():
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # a generator: its DataLoader iterator is released at once
+        self.iterators.clear()
+        gc.collect()
 
     def state_dict(self) -> dict:
         """Position and dropout state (seeds and counts: device-neutral) of each of this rank's streams.

@@ -334,6 +334,7 @@ class Trainer:
         finally:
             watch.restore()
             logger.close()
+            self.feed.close()
         return 0
 
     def _nothing_left(self) -> str | None:
