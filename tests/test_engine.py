@@ -253,7 +253,7 @@ class FusedAdam(torch.optim.Optimizer):
 
 def _adam_run(make, steps: int, resume_at: int | None = None):
     """Parameters after ``steps`` updates; with ``resume_at``, the optimizer is rebuilt there from saved state."""
-    from megaformer.train.engine import optimizer_step_count, set_optimizer_step_count
+    from megaformer.train.engine_state import optimizer_step_count, set_optimizer_step_count
 
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(5, 3))
@@ -274,7 +274,7 @@ def _adam_run(make, steps: int, resume_at: int | None = None):
 @pytest.mark.parametrize("kind", ["torch-fused", "torch-foreach", "fused-adam-in-groups"])
 def test_resume_keeps_adam_step_count(kind):
     """A resume continues bias correction where it stopped, for each way optimizers keep ``step``."""
-    from megaformer.train.engine import optimizer_step_count
+    from megaformer.train.engine_state import optimizer_step_count
 
     make = {
         "torch-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.9, 0.98), eps=1e-9, fused=True),

@@ -28,6 +28,14 @@ from megaformer.config import Config, TrainConfig
 from megaformer.errors import ConfigError
 from megaformer.parallel import ParallelContext
 from megaformer.parallel.sharding import tp_dim
+from megaformer.train.engine_state import (
+    export_tensors,
+    import_tensors,
+    inner_optimizer,
+    optimizer_step_count,
+    rewind_schedule,
+    uses_zero,
+)
 from megaformer.train.schedule import Cooldown, InverseSqrtSchedule
 
 try:  # NVIDIA apex: fused Adam on GPUs when installed; never required.
@@ -35,7 +43,6 @@ try:  # NVIDIA apex: fused Adam on GPUs when installed; never required.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _ApexFusedAdam = None
 
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 # DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per rank and
 # run; the warning is not the user's to act on. Silenced only around DeepSpeed's own calls.
@@ -208,7 +215,7 @@ class Engine:
             # the bf16 gradients of the previous micro-batch, which are already in its fp32 sums: without it
             # micro-batch k was counted (accumulation - k) times.
             prologue = getattr(self.ds.optimizer, "backward_prologue", None)
-            if _zero(self) and callable(prologue):
+            if uses_zero(self) and callable(prologue):
                 prologue()
             self.ds.backward(loss, scale_wrt_gas=scale_wrt_gas)
 
@@ -232,7 +239,7 @@ class Engine:
     def set_cooldown(self, cooldown: Cooldown | None) -> None:
         """Ramp the lr down as ``cooldown`` says, from the next update on (the current lr is recomputed)."""
         self._schedule().cooldown = cooldown
-        _rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
+        rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
 
     def _schedule(self) -> InverseSqrtSchedule:
         return self.ds.lr_scheduler.lr_lambdas[0]  # one multiplier, shared by every param group
@@ -249,7 +256,7 @@ class Engine:
 
     def note_grad_norm(self) -> None:
         """Without ZeRO or clipping DeepSpeed computes no norm: compute it (call after the last backward)."""
-        if _zero(self) or self.ds.gradient_clipping() > 0:
+        if uses_zero(self) or self.ds.gradient_clipping() > 0:
             return
         split = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # squares of TP-split tensors
         replicated = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
@@ -277,11 +284,11 @@ class Engine:
         scaler = getattr(self.ds.optimizer, "loss_scaler", None)
         fields = {k: getattr(scaler, k) for k in LOSS_SCALER_FIELDS if scaler is not None and hasattr(scaler, k)}
         return {
-            "tensors": _export_tensors(self),
+            "tensors": export_tensors(self),
             "counters": {
                 "global_steps": self.ds.global_steps,
                 "skipped_steps": self.ds.skipped_steps,
-                "optimizer_steps": optimizer_step_count(_inner(self)),
+                "optimizer_steps": optimizer_step_count(inner_optimizer(self)),
                 "loss_scaler": {k: (v.item() if torch.is_tensor(v) else v) for k, v in fields.items()},
                 "cooldown": None if self.cooldown is None else [self.cooldown.start, self.cooldown.length],
             },
@@ -290,7 +297,7 @@ class Engine:
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict` (tensors at this rank's TP shape) into the model, optimizer and DeepSpeed."""
         counters = state["counters"]
-        _import_tensors(self, state["tensors"], counters["optimizer_steps"])
+        import_tensors(self, state["tensors"], counters["optimizer_steps"])
         ds = self.ds
         ds.global_steps, ds.skipped_steps = counters["global_steps"], counters["skipped_steps"]
         ds.global_samples = counters["global_steps"] * self.accumulation * self.ctx.dp_size
@@ -299,6 +306,9 @@ class Engine:
             if scaler is not None and hasattr(scaler, name):
                 setattr(scaler, name, value)
         self.set_cooldown(cooldown_of(counters.get("cooldown")))  # also sets the lr to the step count's
+
+
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
 def cooldown_of(saved: list | None) -> Cooldown | None:
@@ -311,15 +321,37 @@ def cooldown_of(saved: list | None) -> Cooldown | None:
     return Cooldown(start, length)
 
 
+@contextlib.contextmanager
+def _without_shm_op():
+    """DeepSpeed's communication backend without its shared-memory op, which it JIT-compiles on a CPU.
+
+    The op serves only ``inference_all_reduce``, which megaformer never calls; building
+    it took ~45 s on a machine's first run and loading it ~8 s on every later one.
+    """
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if not isinstance(compatible, dict):
+        yield
+        return
+    saved = compatible.get(SHM_OP, False)
+    compatible[SHM_OP] = False
+    try:
+        yield
+    finally:
+        compatible[SHM_OP] = saved
+
+
 def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine:
     """Wrap ``model`` (already on ``ctx.device``) in a DeepSpeed engine configured from ``cfg``."""
     import deepspeed
 
     ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
     _use_accelerator_of(ctx.device)
-    deepspeed.init_distributed(
-        dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False, verbose=False
-    )
+    with _without_shm_op():
+        deepspeed.init_distributed(
+            dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False, verbose=False
+        )
     _tag_model_parallel(model, ctx)
     optimizer = _optimizer(model, cfg.train, ctx.device)
     schedule = InverseSqrtSchedule(cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
@@ -378,121 +410,3 @@ def _fp16_allowed_on_cpu() -> Iterator[None]:
 
 
 # ---- optimizer state, per parameter -----------------------------------------------------------
-
-
-def _inner(engine: Engine) -> torch.optim.Optimizer:
-    """The optimizer that holds Adam's state (inside DeepSpeed's ZeRO wrapper, if any)."""
-    opt = engine.ds.optimizer
-    return getattr(opt, "optimizer", opt)
-
-
-def _zero(engine: Engine) -> bool:
-    return engine.ds.zero_optimization_stage() > 0
-
-
-def _steps_in_groups(opt: torch.optim.Optimizer) -> bool:
-    """apex's and DeepSpeed's FusedAdam count steps in ``param_groups``; torch's Adam per parameter."""
-    return any("step" in g for g in opt.param_groups) or (
-        not isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and type(opt).__name__ == "FusedAdam"
-    )
-
-
-def optimizer_step_count(opt: torch.optim.Optimizer) -> int:
-    """Adam's bias-correction step count (equal for every parameter), wherever the optimizer keeps it."""
-    for group in opt.param_groups:
-        if "step" in group:
-            return int(group["step"])
-    for state in opt.state.values():
-        if "step" in state:
-            return int(state["step"])
-    return 0
-
-
-def set_optimizer_step_count(opt: torch.optim.Optimizer, step: int) -> None:
-    """Set Adam's step count where ``opt`` keeps it, on the device and dtype it keeps it in.
-
-    torch's fused (and capturable) Adam keeps ``step`` as a tensor on the parameter's
-    device, the others as a CPU tensor; apex's FusedAdam as a number in each param group.
-    Missing per-parameter state (a resume before the first step) is created first, as
-    Adam itself would create it.
-    """
-    in_groups = _steps_in_groups(opt)
-    for group in opt.param_groups:
-        if in_groups:
-            group["step"] = step
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            state = opt.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if in_groups:
-                continue
-            if torch.is_tensor(state.get("step")):
-                state["step"].fill_(float(step))
-            else:
-                device = p.device if on_device else torch.device("cpu")
-                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
-
-
-def _export_tensors(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
-    """fp32 master weights and Adam moments of every parameter, at this rank's TP shape, complete over DP."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    out: dict[str, dict[str, torch.Tensor]] = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for name, p in engine.module.named_parameters():
-        if _zero(engine):
-            out["param"][name] = safe_get_full_fp32_param(p).detach().float().cpu()
-            for key in ADAM_KEYS:
-                out[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu()
-        else:
-            out["param"][name] = p.detach().float().cpu().clone()
-            state = _inner(engine).state[p]
-            for key in ADAM_KEYS:
-                value = state.get(key)
-                out[key][name] = torch.zeros_like(out["param"][name]) if value is None else value.detach().float().cpu()
-    return out
-
-
-def _import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-    """Weights and moments into the model and the optimizer; Adam's step count and the schedule to ``step``.
-
-    ZeRO links each parameter to its fragment of the flat optimizer state only after
-    the first step: creating the state and calling DeepSpeed's own lazy-initialisation
-    hook links it now, so that a resume can set it before the first step.
-    """
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    inner = _inner(engine)
-    set_optimizer_step_count(inner, step)
-    if hasattr(engine.ds.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.ds.optimizer._lazy_init_hp_params_optimizer_state()
-    for name, p in engine.module.named_parameters():
-        value = tensors["param"][name].to(p.device)
-        with torch.no_grad():
-            p.copy_(value.to(p.dtype))
-        if _zero(engine):
-            safe_set_full_fp32_param(p, value)
-            for key in ADAM_KEYS:
-                safe_set_full_optimizer_state(p, tensors[key][name].to(p.device), key)
-        else:
-            state = inner.state[p]
-            for key in ADAM_KEYS:
-                state[key] = tensors[key][name].to(p.device, torch.float32).clone()
-    # The scheduler follows the successful optimizer steps.
-    _rewind_schedule(engine.ds.lr_scheduler, step)
-
-
-def _rewind_schedule(sched: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:
-    """Set every param group's lr to the schedule's value after ``steps`` updates.
-
-    torch warns when a scheduler steps before its optimizer ever did ("lr_scheduler.step()
-    before optimizer.step()"), which is what setting a resumed schedule looks like; no
-    value of the schedule is skipped here, so that warning is not shown to the user.
-    """
-    sched.last_epoch = steps - 1
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning
-        )
-        sched.step()
