@@ -31,3 +31,20 @@ def corpus(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+@pytest.fixture
+def run(capsys):
+    """megaformer.cli.main(argv) -> (status, stdout, stderr); argparse's SystemExit becomes a status."""
+
+    from megaformer import cli
+
+    def call(*argv):
+        try:
+            code = cli.main([str(a) for a in argv])
+        except SystemExit as stop:
+            code = stop.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return call

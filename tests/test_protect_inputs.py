@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_one_line_error
 from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
 
 from megaformer import cli
@@ -29,29 +30,6 @@ from megaformer import cli
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SLURM = ("SLURM_PROCID", "SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST")
-
-
-@pytest.fixture
-def run(capsys):
-    """megaformer.cli.main(argv) -> (status, stdout, stderr); argparse's SystemExit becomes a status."""
-
-    def call(*argv):
-        try:
-            code = cli.main([str(a) for a in argv])
-        except SystemExit as stop:
-            code = stop.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
-
-
-def assert_one_line_error(code, err: str, fragment: str) -> None:
-    assert code not in (0, None), err
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert fragment in lines[0], lines[0]
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
