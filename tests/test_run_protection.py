@@ -329,3 +329,37 @@ def test_metrics_that_cannot_be_written_are_refused_before_training(shared_data,
     run = tmp_path / "run"
     (run / "metrics.jsonl").mkdir(parents=True)
     _one_line_error(_train(run, shared_data, "train.max_steps=2"), "metrics.jsonl: cannot be written")
+
+
+def test_a_peer_that_never_joins_is_one_line_naming_the_rendezvous(shared_data, tmp_path):
+    from launcher.local import free_port
+
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2"}
+    argv = _train_argv(tmp_path / "run", shared_data, "parallel.timeout_minutes=0.05")
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    line = _one_line_error(proc, "rank 0 of 2: the ranks did not all meet at env://")
+    assert "1/2 clients joined" in line and "parallel.timeout_minutes" in line
+
+
+def test_a_save_that_cannot_be_written_leaves_the_earlier_checkpoints(finished, tmp_path, monkeypatch):
+    """A full disk (torch's zip writer: "unexpected pos") during a save: one CheckpointError, nothing half-written."""
+    from megaformer.checkpoint import CheckpointState, save_checkpoint
+    from megaformer.checkpoint import save as save_module
+    from megaformer.parallel import ParallelContext
+
+    run = _copy_run(finished, tmp_path / "run")
+    root = run / "checkpoints"
+    before = {p.name: sha256_of(p / "meta.json") for p in list_checkpoints(root)}
+
+    def full_disk(obj, path):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1200")
+
+    monkeypatch.setattr(save_module, "atomic_torch_save", full_disk)
+    state = CheckpointState(shard={"param": {}}, run={}, replica={}, rank={})
+    with pytest.raises(
+        CheckpointError, match=r"cannot write the checkpoint \(\[enforce fail.*earlier checkpoints are intact"
+    ):
+        save_checkpoint(root, 99, ParallelContext.single(), state, meta={}, keep_last=10)
+    assert {p.name: sha256_of(p / "meta.json") for p in list_checkpoints(root)} == before
+    assert not list(root.glob(".step-*")), "the unfinished save is removed"
+    assert (root / "latest").read_text().strip() == "step-00000010"

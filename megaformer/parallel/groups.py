@@ -193,13 +193,13 @@ class ParallelContext:
             return cls(layout, 0, 0, LOCAL, None, device, backend, (socket.gethostname(),))
         owns_world = not dist.is_initialized()
         if owns_world:
-            dist.init_process_group(
-                backend,
-                init_method=init_method or "env://",
-                rank=rank,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout_s if timeout_s is not None else 60 * cfg.timeout_minutes),
-            )
+            timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else 60 * cfg.timeout_minutes)
+            try:
+                dist.init_process_group(
+                    backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
+                )
+            except (dist.DistStoreError, dist.DistNetworkError) as err:
+                raise ConfigError(_no_rendezvous(rank, world_size, init_method, err)) from None
         hosts: list[str | None] = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname())
         check_tp_within_nodes(layout, hosts)
@@ -234,3 +234,13 @@ class ParallelContext:
         for group in self.groups:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
+
+
+def _no_rendezvous(rank: int, world_size: int, init_method: str | None, err: Exception) -> str:
+    """One line for ranks that never met: who waited where, and what to check."""
+    where = init_method or "env:// (MASTER_ADDR, MASTER_PORT)"
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return (
+        f"rank {rank} of {world_size}: the ranks did not all meet at {where} ({reason}): start every rank "
+        f"(torchrun, srun or --nproc), check MASTER_ADDR/MASTER_PORT, or raise parallel.timeout_minutes"
+    )
