@@ -14,8 +14,8 @@ it then waits ``shutdown_timeout`` and SIGKILLs, and ``elastic_launch`` raises
 ``SignalException`` without the workers' exit statuses, so a caller cannot tell "saved and
 requeued" (0) from "failed". A worker failure comes back as a ``ChildFailedError`` table after
 every worker's traceback, each line prefixed by the logger -- the opposite of one clear line.
-Without ``signals_to_handle`` it dies of USR1 and leaves its workers running (measured in
-issue 9; the cluster test runs torchrun that way). So this launcher stays: it forwards TERM,
+Without ``signals_to_handle`` it dies of USR1 and leaves its workers running (measured; the
+cluster test runs torchrun that way). So this launcher stays: it forwards TERM,
 INT and USR1 to every rank and waits for them, and ``megaformer train --nproc N`` saves and
 requeues on USR1 like ``srun`` does. torchrun remains the way to start ranks on several nodes
 (``slurm/common.sh`` ``LAUNCHER=torchrun``, with ``--signals-to-handle``).

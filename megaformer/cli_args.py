@@ -5,7 +5,7 @@ argparse calls each ``type=`` function on the option's text; an
 on one line with status 2 (see :class:`megaformer.cli.Parser`), before any file is read
 or any process started. Nothing here writes: the checks only ``stat`` paths and list folders.
 
-Rules (issue 14): a count or size has its range (``positive_int``, ``nonneg_int``,
+Rules: a count or size has its range (``positive_int``, ``nonneg_int``,
 ``int_range``); a float is finite and in its range (``finite_float``; ``nan`` and
 ``inf`` parse as floats in Python, so they are refused explicitly); a path that must
 exist is a file or a directory as stated (``existing_file``, ``existing_dir``); a path
@@ -13,7 +13,7 @@ that will be written is not a directory and its folder exists (``new_file``).
 ``tests/test_cli_inputs.py`` walks every sub-parser and fails for an int or float
 option whose type is not one of these.
 
-Outputs never destroy inputs (issue 14): once the arguments are parsed, a command checks
+Outputs never destroy inputs: once the arguments are parsed, a command checks
 its outputs against what it reads with :func:`refuse_output_over_inputs` (an output that
 is an input, lies inside an input folder, or holds one) and, before it replaces a folder,
 :func:`refuse_to_replace` (never the working directory or a folder above it; ``--force``

@@ -1,4 +1,4 @@
-"""Every bad input is one clear line and a non-zero exit, never a traceback; nothing is destroyed (issue 14).
+"""Every bad input is one clear line and a non-zero exit, never a traceback; nothing is destroyed.
 
 One table per class of bad input (non-finite, out of domain, wrong path, destruction,
 silent fallback), each row a command, its arguments and a fragment the error line must

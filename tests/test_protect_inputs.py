@@ -1,4 +1,4 @@
-"""Outputs never destroy inputs; absurd values and damaged records are one line (issue 14, the tester's second list).
+"""Outputs never destroy inputs; absurd values and damaged records are one line.
 
 The tables follow ``tests/test_cli_inputs.py``: one row per case, run through
 ``megaformer.cli.main`` as a user runs it, and each must end in ONE line on stderr that

@@ -15,7 +15,15 @@ from pathlib import Path
 import torch
 
 from megaformer.checkpoint.files import safe_torch_load
-from megaformer.checkpoint.format import POINTERS, STEP_DIR, Log, check_complete, model_file_name, resolve_checkpoint
+from megaformer.checkpoint.format import (
+    POINTERS,
+    STEP_DIR,
+    Log,
+    check_complete,
+    list_checkpoints,
+    model_file_name,
+    resolve_checkpoint,
+)
 from megaformer.checkpoint.load import merged_state, shape_info
 from megaformer.checkpoint.save import file_entries
 from megaformer.config import Config, from_dict, to_dict
@@ -117,7 +125,8 @@ def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
     full = merged_state(src, meta, info)
     with atomic_output(target) as tmp:
         _write_resharded(src, tmp, meta, info, full, tp)
-    atomic_write_text(target.parent / "latest", target.name + "\n")
+    if list_checkpoints(target.parent)[0] == target:  # `latest` names the newest step of its folder
+        atomic_write_text(target.parent / "latest", target.name + "\n")
     return target
 
 

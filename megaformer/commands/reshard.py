@@ -1,6 +1,6 @@
 """``megaformer reshard``: rewrite a training checkpoint for another tensor-parallel size.
 
-Nothing is destroyed (issue 14): the new step directory is written into a hidden
+Nothing is destroyed: the new step directory is written into a hidden
 temporary folder beside its destination and renamed into place only when complete.
 The destination must not exist yet, so the command never replaces a checkpoint, least
 of all its own input (``--ckpt RUN/checkpoints/step-N --out RUN/checkpoints`` names
@@ -11,10 +11,7 @@ must be named for the step it holds (``latest`` and every reader trust the name)
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from megaformer.cli_args import existing_path, new_dir, positive_int
@@ -55,18 +52,10 @@ def target_of(step_dir: Path, out: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megaformer.checkpoint import atomic_write_text, list_checkpoints, reshard, resolve_checkpoint
+    from megaformer.checkpoint import reshard, resolve_checkpoint
 
     step_dir = resolve_checkpoint(Path(args.ckpt), log=_stderr)  # an older one is announced on stderr
     target = target_of(step_dir, Path(args.out))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.reshard-", dir=target.parent))
-    try:
-        written = reshard(step_dir, work / step_dir.name, args.tp, log=_stderr)
-        os.rename(written, target)  # the target did not exist: nothing is replaced
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    if list_checkpoints(target.parent)[0] == target:  # `latest` names the newest step of its folder
-        atomic_write_text(target.parent / "latest", target.name + "\n")
+    reshard(step_dir, target, args.tp, log=_stderr)  # written beside the target, renamed into place when complete
     print(f"reshard: wrote {target} from {step_dir} for tp={args.tp}")
     return 0

@@ -260,7 +260,7 @@ def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
     """The model at ``path`` and what was read: the file, or the step directory a run directory resolves to.
 
     When the newest checkpoint of a run directory is damaged and an older one is used,
-    each skipped checkpoint and the one chosen are announced on stderr (issue 14).
+    each skipped checkpoint and the one chosen are announced on stderr.
     """
     path = Path(path)
     exported = (path / "megaformer-export.json").is_file()
