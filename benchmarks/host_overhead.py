@@ -45,6 +45,7 @@ from megaformer import cli  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
 from megaformer.model import sinusoidal_positions  # noqa: E402
 from megaformer.parallel import ParallelContext  # noqa: E402
+from megaformer.train.trainer import StepFlags  # noqa: E402
 
 D_MODEL, HEADS, D_FF, LAYERS, DROPOUT, SMOOTHING = 64, 4, 256, 6, 0.1, 0.1
 MICRO_TOKENS = 1024
@@ -139,7 +140,7 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
     torch.manual_seed(0)
     ref = Reference(trainer.cfg.data.vocab_size)
     optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
-    flags = [0.0] * 5  # no signal, no time limit, no save due, no cool-down
+    flags = StepFlags()  # no signal, no time limit, no save due, no cool-down
     times: dict[str, list[float]] = {"megaformer": [], "reference": []}
     micro = None
     for i in range(warmup + steps):

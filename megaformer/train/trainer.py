@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -246,8 +247,8 @@ class Trainer:
             dist.all_reduce(t, group=self.ctx.world_group)
         return t.tolist()
 
-    def step(self, flags: list[float]) -> tuple[float, float, list[float]]:
-        """One optimizer step: (the step's DP-summed loss, its DP target tokens, world-summed flags).
+    def step(self, flags: StepFlags) -> tuple[float, float, StepFlags]:
+        """One optimizer step: (the step's DP-summed loss, its DP target tokens, the flags of any rank).
 
         An all-reduce before the step carries the token count and the flags (signals
         received, time up, a save due), so that every rank stops and saves at the same
@@ -256,9 +257,9 @@ class Trainer:
         """
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
-        reduced = self._world_sum([local] + flags)
+        reduced = self._world_sum([local] + flags.as_floats())
         # Every rank of a replica (TP x PP) counted the same tokens.
-        tokens, flags = reduced[0] / (self.ctx.layout.tp * self.ctx.pp_size), reduced[1:]
+        tokens, flags = reduced[0] / (self.ctx.layout.tp * self.ctx.pp_size), StepFlags.any_of(reduced[1:])
         skipped_before = self.engine.skipped_steps
         if self.pipeline is None:
             loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
@@ -303,8 +304,9 @@ class Trainer:
                 # with the step's flags so that every rank enters the save's collectives.
                 save_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
                 began = time.perf_counter()
-                flags = [watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due, cool]
-                loss_sum, tokens, (usr1, term, up, due, cool) = self.step([float(f) for f in flags])
+                flags = StepFlags(watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due, cool)
+                loss_sum, tokens, world = self.step(flags)
+                usr1, term, up, due, cool = world.usr1, world.term, world.time_up, world.save_due, world.cooldown
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
                 self.tokens += int(tokens)
@@ -437,6 +439,25 @@ class Trainer:
         if improved:
             self.best_bleu = result["bleu"]
         return improved
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """What a rank says before a step; after the step's all-reduce, what any rank said (every rank acts alike)."""
+
+    usr1: bool = False  # SIGUSR1 received: save, requeue, stop
+    term: bool = False  # SIGTERM received: save, stop
+    time_up: bool = False  # train.max_minutes spent
+    save_due: bool = False  # train.save_minutes passed since the last save
+    cooldown: bool = False  # the cool-down's share of train.max_minutes reached
+
+    def as_floats(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def any_of(cls, summed: list[float]) -> StepFlags:
+        """The flags from their world sums: set where any rank set it."""
+        return cls(*(value > 0 for value in summed))
 
 
 class _Window:
