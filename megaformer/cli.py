@@ -12,9 +12,11 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import getpass
 import importlib
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from types import ModuleType
 from typing import NoReturn
@@ -109,9 +111,29 @@ def host_memory_defaults(environ: dict[str, str] = os.environ) -> None:
     environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
+def compile_cache_defaults(environ: dict[str, str] = os.environ) -> None:
+    """Inductor's kernel cache per CPU kernel level when ``ATEN_CPU_CAPABILITY`` picks one.
+
+    Inductor (torch 2.13) keys its cache without the vector ISA: code generated under the
+    AVX2 or AVX-512 kernels is reused under ``ATEN_CPU_CAPABILITY=default``, where its
+    ``at::vec`` calls do not compile, and the first compiled step fails. A cache folder of
+    each level keeps them apart; ``TORCHINDUCTOR_CACHE_DIR`` set by the user is kept.
+    """
+    level = environ.get("ATEN_CPU_CAPABILITY")
+    if level and "TORCHINDUCTOR_CACHE_DIR" not in environ:
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no name for this uid
+            user = str(os.getuid())
+        environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{user}", f"isa-{level}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     host_memory_defaults()
+    compile_cache_defaults()
     wanted = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(wanted).parse_args(argv)
     command: Command = args._command

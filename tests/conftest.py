@@ -16,6 +16,10 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 # its CUDA accelerator whenever CUDA is visible, uses its CPU one; spawned ranks and
 # subprocesses inherit this.
 os.environ["DS_ACCELERATOR"] = "cpu"
+# Inductor's cache does not tell CPU kernel levels apart: one folder per ATEN_CPU_CAPABILITY (as the CLI does).
+from megaformer.cli import compile_cache_defaults  # noqa: E402
+
+compile_cache_defaults()
 
 
 @pytest.fixture(scope="session")

@@ -65,3 +65,22 @@ def test_the_log_says_which_pages_cpu_tensors_get(monkeypatch, tmp_path, variabl
         mode.write_text(kernel + "\n")
     assert said in host_memory(torch.device("cpu"), mode)
     assert host_memory(torch.device("cuda", 0), mode) is None
+
+
+def test_inductor_gets_a_cache_of_each_cpu_kernel_level():
+    """Inductor's cache keys omit the vector ISA: AVX2 code reused under ATEN_CPU_CAPABILITY=default fails to build."""
+    from megaformer.cli import compile_cache_defaults
+
+    levels = {}
+    for level in ("default", "avx2", "avx512"):
+        env = {"ATEN_CPU_CAPABILITY": level}
+        compile_cache_defaults(env)
+        levels[level] = env["TORCHINDUCTOR_CACHE_DIR"]
+        assert levels[level].endswith(f"isa-{level}")
+    assert len(set(levels.values())) == 3
+    untouched = {}
+    compile_cache_defaults(untouched)  # no level chosen: Inductor's own default folder
+    assert untouched == {}
+    mine = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CACHE_DIR": "/mine"}
+    compile_cache_defaults(mine)
+    assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
