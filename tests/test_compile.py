@@ -68,6 +68,13 @@ def test_compiled_masks_are_the_eager_masks():
 
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
 def test_compiled_layers_equal_eager_layers_with_dropout_on(activation_checkpointing):
+    """The compiled layers' loss and gradients are the eager ones to fp32 rounding, the same masks drawn.
+
+    An element's absolute tolerance is 1e-6 of its tensor's largest value (at least 1e-6):
+    Inductor's loops sum in another order than ATen's kernels, and without vector kernels
+    (``ATEN_CPU_CAPABILITY=default``) the two differ by up to ~3e-7 of a gradient's scale,
+    which an element near zero (a cancelling sum) cannot meet relatively.
+    """
     eager, compiled = _models(activation_checkpointing)
     generator = torch.Generator().manual_seed(0)
     for batch, length in ((3, 7), (5, 11)):  # another shape: the same (dynamic) graphs
@@ -82,7 +89,8 @@ def test_compiled_layers_equal_eager_layers_with_dropout_on(activation_checkpoin
         (loss_e, grads_e), (loss_c, grads_c) = results
         assert torch.allclose(loss_c, loss_e, rtol=1e-5), (loss_c, loss_e)
         for name, grad in grads_e.items():
-            assert torch.allclose(grads_c[name], grad, rtol=1e-4, atol=1e-6), name
+            scale = max(grad.abs().max().item(), 1.0)
+            assert torch.allclose(grads_c[name], grad, rtol=1e-4, atol=1e-6 * scale), name
         assert compiled.rng.state_dict() == eager.rng.state_dict()  # as many masks drawn
 
 
