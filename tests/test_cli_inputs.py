@@ -11,7 +11,6 @@ that takes a number.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error
+from cli_helpers import assert_one_line_error, tree_digest
 from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
 
 from megaformer import cli
@@ -256,14 +255,6 @@ def test_resume_accepts_its_policies():
 # ---- nothing destroyed ----------------------------------------------------------------------------
 
 
-def _tree_digest(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
     """A consolidated model with its tokenizer, and a run directory holding it at steps 700 and 800 (TP=1)."""
@@ -299,27 +290,27 @@ def text_run(tmp_path_factory):
 def test_reshard_into_its_own_folder_is_refused_and_leaves_the_checkpoint_intact(text_run, run, tmp_path):
     """The issue's reproduction (--tp -2, output over the input), then the same with a valid --tp."""
     step = text_run["run"] / "checkpoints" / "step-00000800"
-    before = _tree_digest(text_run["run"])
+    before = tree_digest(text_run["run"])
     for tp, fragment in (("-2", "argument --tp"), ("0", "argument --tp"), ("1", "would replace the input")):
         code, _, err = run("reshard", "--ckpt", step, "--out", text_run["run"] / "checkpoints", "--tp", tp)
         assert_one_line_error(code, err, fragment)
     assert_one_line_error(*run("reshard", "--ckpt", step, "--out", step, "--tp", "1")[::2], "would replace the input")
     assert_one_line_error(*run("reshard", "--ckpt", step, "--out", step / "x", "--tp", "1")[::2], "inside the input")
-    assert _tree_digest(text_run["run"]) == before
+    assert tree_digest(text_run["run"]) == before
 
     out = tmp_path / "tp2"
     code, text, err = run("reshard", "--ckpt", step, "--out", out, "--tp", "2")
     assert code == 0, err
     assert "tp=2" in text and (out / "step-00000800" / "model-tp01-of-02.pt").is_file()
-    written = _tree_digest(out)
+    written = tree_digest(out)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left behind
     assert_one_line_error(*run("reshard", "--ckpt", step, "--out", out, "--tp", "2")[::2], "already exists")
-    assert _tree_digest(out) == written and _tree_digest(text_run["run"]) == before
+    assert tree_digest(out) == written and tree_digest(text_run["run"]) == before
 
 
 def test_average_and_evaluate_refuse_to_overwrite_their_inputs(text_run, run):
     step = text_run["run"] / "checkpoints" / "step-00000800"
-    before = _tree_digest(text_run["run"]), text_run["model"].read_bytes(), text_run["ref"].read_bytes()
+    before = tree_digest(text_run["run"]), text_run["model"].read_bytes(), text_run["ref"].read_bytes()
     assert_one_line_error(
         *run("average", "--ckpt", step, text_run["model"], "--out", step / "avg.pt")[::2], "would overwrite the input"
     )
@@ -328,18 +319,18 @@ def test_average_and_evaluate_refuse_to_overwrite_their_inputs(text_run, run):
     )
     argv = ("evaluate", "--ckpt", text_run["model"], "--input", text_run["src"], "--ref", text_run["ref"])
     assert_one_line_error(*run(*argv, "--output", text_run["ref"])[::2], "is the --ref file")
-    assert (_tree_digest(text_run["run"]), text_run["model"].read_bytes(), text_run["ref"].read_bytes()) == before
+    assert (tree_digest(text_run["run"]), text_run["model"].read_bytes(), text_run["ref"].read_bytes()) == before
 
 
 def test_prepare_refuses_to_replace_a_folder_holding_its_input(run, tmp_path):
     (tmp_path / "corpus").mkdir()
     for lang in ("xx", "yy"):
         (tmp_path / "corpus" / f"train.{lang}").write_text("a b\n")
-    before = _tree_digest(tmp_path / "corpus")
+    before = tree_digest(tmp_path / "corpus")
     argv = ("prepare", "--src", "xx", "--tgt", "yy", "--train", tmp_path / "corpus" / "train")
     code, _, err = run(*argv, "--out", tmp_path / "corpus", "--force", "--quiet")
     assert_one_line_error(code, err, "holds the input --train")
-    assert _tree_digest(tmp_path / "corpus") == before
+    assert tree_digest(tmp_path / "corpus") == before
 
 
 # ---- no silent fallback -----------------------------------------------------------------------------

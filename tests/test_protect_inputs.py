@@ -14,7 +14,6 @@ inputs byte for byte as before (their sha256 is taken before and after every row
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_one_line_error
+from cli_helpers import assert_one_line_error, tree_digest
 from decode_helpers import make_text_checkpoint, one_thread, random_sentence, reverse_sentence  # noqa: F401
 
 from megaformer import cli
@@ -30,14 +29,6 @@ from megaformer import cli
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 SLURM = ("SLURM_PROCID", "SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST")
-
-
-def tree_digest(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module")
