@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import hashlib
 import importlib
 import os
 import sys
@@ -111,23 +112,31 @@ def host_memory_defaults(environ: dict[str, str] = os.environ) -> None:
     environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def compile_cache_defaults(environ: dict[str, str] = os.environ) -> None:
-    """Inductor's kernel cache per CPU kernel level when ``ATEN_CPU_CAPABILITY`` picks one.
+def compile_cache_defaults(environ: dict[str, str] = os.environ, cpuinfo: str = "/proc/cpuinfo") -> None:
+    """Inductor's kernel cache in a folder of this CPU kernel level (``TORCHINDUCTOR_CACHE_DIR`` set by the user is kept).
 
     Inductor (torch 2.13) keys its cache without the vector ISA: code generated under the
     AVX2 or AVX-512 kernels is reused under ``ATEN_CPU_CAPABILITY=default``, where its
-    ``at::vec`` calls do not compile, and the first compiled step fails. A cache folder of
-    each level keeps them apart; ``TORCHINDUCTOR_CACHE_DIR`` set by the user is kept.
+    ``at::vec`` calls do not compile, and code generated under a capped level is reused at
+    the CPU's own level. The folder is named by ``ATEN_CPU_CAPABILITY`` when it is set and
+    otherwise by the CPU's feature flags, so no level ever loads another's kernels, not even
+    from Inductor's shared default folder that runs of other levels filled before.
     """
+    if "TORCHINDUCTOR_CACHE_DIR" in environ:
+        return
     level = environ.get("ATEN_CPU_CAPABILITY")
-    if level and "TORCHINDUCTOR_CACHE_DIR" not in environ:
+    if not level:
         try:
-            user = getpass.getuser()
-        except (KeyError, OSError):  # no name for this uid
-            user = str(os.getuid())
-        environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-            tempfile.gettempdir(), f"torchinductor_{user}", f"isa-{level}"
-        )
+            with open(cpuinfo) as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        level = "native-" + hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12]
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        user = str(os.getuid())
+    environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}", f"isa-{level}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,7 @@ def test_the_log_says_which_pages_cpu_tensors_get(monkeypatch, tmp_path, variabl
     assert host_memory(torch.device("cuda", 0), mode) is None
 
 
-def test_inductor_gets_a_cache_of_each_cpu_kernel_level():
+def test_inductor_gets_a_cache_of_each_cpu_kernel_level(tmp_path):
     """Inductor's cache keys omit the vector ISA: AVX2 code reused under ATEN_CPU_CAPABILITY=default fails to build."""
     from megaformer.cli import compile_cache_defaults
 
@@ -78,9 +78,17 @@ def test_inductor_gets_a_cache_of_each_cpu_kernel_level():
         levels[level] = env["TORCHINDUCTOR_CACHE_DIR"]
         assert levels[level].endswith(f"isa-{level}")
     assert len(set(levels.values())) == 3
-    untouched = {}
-    compile_cache_defaults(untouched)  # no level chosen: Inductor's own default folder
-    assert untouched == {}
+    # no level chosen: a folder of the CPU's own flags, never Inductor's shared default one
+    native, other = tmp_path / "native", tmp_path / "other"
+    native.write_text("processor : 0\nflags : fpu sse2 avx2 avx512f\n")
+    other.write_text("processor : 0\nflags : fpu sse2 avx2\n")
+    found = []
+    for cpuinfo in (native, other, native):
+        env = {}
+        compile_cache_defaults(env, str(cpuinfo))
+        found.append(env["TORCHINDUCTOR_CACHE_DIR"])
+    assert found[0] == found[2] != found[1] and "isa-native-" in found[0]
+    assert found[0] not in levels.values()
     mine = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CACHE_DIR": "/mine"}
     compile_cache_defaults(mine)
     assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
