@@ -77,6 +77,9 @@ class TrainConfig:
     # The last this fraction of the run (of train.max_minutes when that ends it first, else of
     # train.max_steps) ramps the lr linearly down to 0; the run ends with the ramp. 0 = off.
     cooldown_fraction: float = 0.0
+    # > 0 with train.max_minutes: warm up over this share of the updates the run is expected to
+    # reach at its measured step rate, at most warmup_steps, to the same peak lr (train/budget.py).
+    warmup_fraction: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -102,9 +105,10 @@ class TrainConfig:
     # costs a copy on a CPU. auto = on with CUDA, off on CPU.
     zero_contiguous_gradients: str = "auto"
     peak_tflops: float = 0.0  # per-device peak for MFU; 0 = known GPU table, or measured on a CPU
-    # torch.compile each encoder and decoder layer (regional compilation; the first steps compile).
-    # Made for GPUs; on a CPU it is slower than eager with torch 2.13 (benchmarks/throughput.py --compile).
-    compile: bool = False
+    # torch.compile each encoder and decoder layer (regional compilation; the first steps compile):
+    # true | false | auto (compiled where the measured gain repays the compile time within
+    # train.max_minutes: megaformer.train.budget.compile_choice; the log says which and why).
+    compile: str = "false"
 
 
 @dataclass
@@ -134,6 +138,7 @@ _CHOICES = {
     ("train", "precision"): ("fp32", "bf16", "fp16"),
     ("train", "zero_stage"): (0, 1, 2),
     ("train", "zero_contiguous_gradients"): ("auto", "true", "false"),
+    ("train", "compile"): ("auto", "true", "false"),
 }
 
 
@@ -280,6 +285,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("train", "lr_scale"): (0.0, _INF, True, False),
     ("train", "warmup_steps"): (1, _INF, False, False),  # step * warmup^-1.5 divides by it
     ("train", "cooldown_fraction"): (0.0, 1.0, False, True),  # 0 = off; 1 would leave no run before it
+    ("train", "warmup_fraction"): (0.0, 1.0, False, False),  # 0 = train.warmup_steps as set
     ("train", "adam_beta1"): (0.0, 1.0, False, True),
     ("train", "adam_beta2"): (0.0, 1.0, False, True),
     ("train", "adam_eps"): (0.0, _INF, True, False),

@@ -241,6 +241,15 @@ class Engine:
         self._schedule().cooldown = cooldown
         rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
 
+    @property
+    def warmup(self) -> int | None:
+        return self._schedule().warmup
+
+    def set_warmup(self, updates: int | None) -> None:
+        """Warm up over ``updates`` updates (None: train.warmup_steps), from the next update on."""
+        self._schedule().warmup = updates
+        rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
+
     def _schedule(self) -> InverseSqrtSchedule:
         return self.ds.lr_scheduler.lr_lambdas[0]  # one multiplier, shared by every param group
 
@@ -279,7 +288,8 @@ class Engine:
     def state_dict(self) -> dict:
         """``tensors``: fp32 weights and Adam moments at this rank's TP shape, complete over DP;
         ``counters``: step counts, the loss scaler and the lr schedule's cool-down (its start
-        and length, or None). A collective over the DP group with ZeRO.
+        and length, or None) and fitted warm-up (its updates, or None). A collective over
+        the DP group with ZeRO.
         """
         scaler = getattr(self.ds.optimizer, "loss_scaler", None)
         fields = {k: getattr(scaler, k) for k in LOSS_SCALER_FIELDS if scaler is not None and hasattr(scaler, k)}
@@ -291,6 +301,7 @@ class Engine:
                 "optimizer_steps": optimizer_step_count(inner_optimizer(self)),
                 "loss_scaler": {k: (v.item() if torch.is_tensor(v) else v) for k, v in fields.items()},
                 "cooldown": None if self.cooldown is None else [self.cooldown.start, self.cooldown.length],
+                "warmup": self.warmup,
             },
         }
 
@@ -305,6 +316,10 @@ class Engine:
         for name, value in counters.get("loss_scaler", {}).items():
             if scaler is not None and hasattr(scaler, name):
                 setattr(scaler, name, value)
+        warmup = counters.get("warmup")  # absent before time budgets fitted the warm-up
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1):
+            raise ValueError(f"warmup {warmup!r}: needs an integer >= 1 or null")
+        self._schedule().warmup = warmup
         self.set_cooldown(cooldown_of(counters.get("cooldown")))  # also sets the lr to the step count's
 
 

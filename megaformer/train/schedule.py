@@ -5,6 +5,11 @@
 Linear warm-up for ``warmup_steps`` optimizer steps, then decay with the inverse square
 root of the step. ``step`` counts optimizer updates from 1.
 
+A run bounded by time (``train.warmup_fraction`` > 0 with ``train.max_minutes``) may warm up
+over fewer updates, ``W`` (see :mod:`megaformer.train.budget`), to the same peak: the lr is
+``peak x min(step / W, sqrt(W / step))`` with ``peak`` the configured schedule's lr at
+``warmup_steps``. With ``W = warmup_steps`` that is the paper's formula exactly.
+
 ``train.cooldown_fraction`` > 0 multiplies the last part of a run by a linear ramp to 0
 (the "decay" of a warmup-stable-decay schedule): from update ``start + 1`` to
 ``start + length`` the factor falls from ``length / (length + 1)`` to ``1 / (length + 1)``,
@@ -64,13 +69,28 @@ def cooldown_start(fraction: float, updates: int, max_steps: int, time_reached: 
     return None
 
 
+def fitted_lr(step: int, d_model: int, warmup_steps: int, lr_scale: float, warmup: int) -> float:
+    """The lr of update ``step`` warming up over ``warmup`` updates to the peak of ``warmup_steps``."""
+    step = max(step, 1)
+    peak = inverse_sqrt_lr(warmup_steps, d_model, warmup_steps, lr_scale)
+    return peak * min(step / warmup, math.sqrt(warmup / step))
+
+
 class InverseSqrtSchedule:
-    """A ``LambdaLR`` multiplier (the optimizer's base lr is 1.0): index 0 is the first update."""
+    """A ``LambdaLR`` multiplier (the optimizer's base lr is 1.0): index 0 is the first update.
+
+    ``warmup``: the updates the warm-up lasts when a time budget shortened it (None: the
+    configured ``warmup_steps``).
+    """
 
     def __init__(self, d_model: int, warmup_steps: int, lr_scale: float = 1.0) -> None:
         self.d_model, self.warmup_steps, self.lr_scale = d_model, warmup_steps, lr_scale
         self.cooldown: Cooldown | None = None
+        self.warmup: int | None = None
 
     def __call__(self, index: int) -> float:
-        lr = inverse_sqrt_lr(index + 1, self.d_model, self.warmup_steps, self.lr_scale)
+        if self.warmup is None:
+            lr = inverse_sqrt_lr(index + 1, self.d_model, self.warmup_steps, self.lr_scale)
+        else:
+            lr = fitted_lr(index + 1, self.d_model, self.warmup_steps, self.lr_scale, self.warmup)
         return lr * self.cooldown.factor(index + 1) if self.cooldown else lr

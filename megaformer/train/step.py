@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -85,3 +86,39 @@ def pipeline_step(
     engine.step()
     pipeline.sync_embedding()
     return loss
+
+
+@dataclass(frozen=True)
+class StepFlags:
+    """What a rank says before a step; after the step's all-reduce, what any rank said (every rank acts alike)."""
+
+    usr1: bool = False  # SIGUSR1 received: save, requeue, stop
+    term: bool = False  # SIGTERM received: save, stop
+    time_up: bool = False  # train.max_minutes spent
+    save_due: bool = False  # train.save_minutes passed since the last save
+    cooldown: bool = False  # the cool-down's share of train.max_minutes reached
+
+    def as_floats(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def any_of(cls, summed: list[float]) -> StepFlags:
+        """The flags from their world sums: set where any rank set it."""
+        return cls(*(value > 0 for value in summed))
+
+
+class Window:
+    """Sums over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    waited_from = 0.0  # the pipeline's wait counter at the window's start
+
+    def reset(self) -> None:
+        self.loss, self.tokens, self.seconds = 0.0, 0.0, 0.0
+
+    def add(self, loss: float, tokens: float, seconds: float) -> None:
+        self.loss += loss
+        self.tokens += tokens
+        self.seconds += seconds

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -42,13 +41,14 @@ from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.parallel.stages import plan_stages
 from megaformer.pipeline.schedule import Pipeline
-from megaformer.train.device import configure_math, host_memory, require_cpp_compiler
+from megaformer.train.budget import BudgetPlan, compile_choice
+from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine, cooldown_of
 from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
-from megaformer.train.step import accumulate, pipeline_step
+from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
 from megaformer.train.validation import Validation
 
 
@@ -94,7 +94,9 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier(group=ctx.world_group)
         self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
-        self.tokens, self.train_seconds = 0, 0.0
+        self.tokens, self.train_seconds, self.world_seconds = 0, 0.0, 0.0
+        self.budget = BudgetPlan(t.max_minutes, t.max_steps, t.warmup_fraction, t.warmup_steps)
+        self._warmup_said: int | None = None  # the fitted warm-up last logged
         self.best_bleu: float | None = None  # the best validation BLEU so far
         self.validation = Validation(cfg, ctx, self.model, self.pipeline, self._stream, self.has_valid, self.log)
         if saved:
@@ -119,11 +121,16 @@ class Trainer:
             pad_id=PAD_ID,
             part=self.stages[ctx.pp_rank],
         ).to(ctx.device)
-        if t.compile:
+        native_bf16 = ctx.device.type != "cpu" or cpu_bf16_missing() is None
+        compiled, why = compile_choice(t.compile, ctx.device, t.precision, t.max_minutes, native_bf16)
+        if compiled:
             if ctx.device.type == "cpu":
                 require_cpp_compiler()
             model.compile_layers()
-            self.log("train: train.compile: the encoder and decoder layers run compiled (the first steps compile them)")
+        self.log(
+            f"train: {why}"
+            + ("; the encoder and decoder layers run compiled (the first steps compile them)" if compiled else "")
+        )
         return model
 
     def _describe(self, streams: int) -> None:
@@ -257,9 +264,10 @@ class Trainer:
         """
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
-        reduced = self._world_sum([local] + flags.as_floats())
-        # Every rank of a replica (TP x PP) counted the same tokens.
-        tokens, flags = reduced[0] / (self.ctx.layout.tp * self.ctx.pp_size), StepFlags.any_of(reduced[1:])
+        reduced = self._world_sum([local, self.train_seconds] + flags.as_floats())
+        # Every rank of a replica (TP x PP) counted the same tokens; the mean training time is the same on every rank.
+        tokens, flags = reduced[0] / (self.ctx.layout.tp * self.ctx.pp_size), StepFlags.any_of(reduced[2:])
+        self.world_seconds = reduced[1] / (dist.get_world_size(self.ctx.world_group) if dist.is_initialized() else 1)
         skipped_before = self.engine.skipped_steps
         if self.pipeline is None:
             loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
@@ -295,7 +303,7 @@ class Trainer:
         start_step = self.engine.global_steps
         self._last_save = time.monotonic()
         self._validated = -1  # the last step validated
-        window = _Window()
+        window = Window()
         try:
             while nothing_left is None and self.engine.global_steps < t.max_steps and not self._cooled():
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
@@ -312,6 +320,7 @@ class Trainer:
                 self.tokens += int(tokens)
                 window.add(loss_sum, tokens, seconds)
                 signal = TERMINATE if term else REQUEUE if usr1 else NONE
+                self._fit_warmup()
                 cooled = self._cool_down(bool(cool))
                 end = "time limit" if up else "cool-down" if cooled else None
                 self._after_step(logger, window, signal, end, bool(due))
@@ -379,12 +388,32 @@ class Trainer:
             )
         return self._cooled()
 
+    def _fit_warmup(self) -> None:
+        """Fit the warm-up to the steps the time budget is expected to reach (train.warmup_fraction).
+
+        The step, the update count and the world's mean training time are the same on every
+        rank, so every rank fits the same warm-up at the same update.
+        """
+        step, updates = self.engine.global_steps, self.engine.optimizer_steps
+        fitted = self.budget.fit(step, updates, self.world_seconds, self.engine.warmup)
+        if fitted is None:
+            return
+        said = self._warmup_said
+        self.engine.set_warmup(fitted)
+        if said is None or abs(fitted - said) > 0.1 * said:
+            self._warmup_said = fitted
+            expected = self.budget.expected_steps(step, self.world_seconds)
+            self.log(
+                f"train: train.warmup_fraction={self.cfg.train.warmup_fraction:g}: ~{expected:,} steps expected in "
+                f"train.max_minutes={self.cfg.train.max_minutes:g}; the warm-up ends at update {fitted:,}"
+            )
+
     def _cooled(self) -> bool:
         cooldown = self.engine.cooldown
         return cooldown is not None and self.engine.optimizer_steps >= cooldown.end
 
     def _after_step(
-        self, logger: MetricsLogger, window: _Window, signal: int, end: str | None, minutes_due: bool
+        self, logger: MetricsLogger, window: Window, signal: int, end: str | None, minutes_due: bool
     ) -> None:
         """Log, validate and save as scheduled (and on a signal, the time limit or the cool-down's end).
 
@@ -404,7 +433,7 @@ class Trainer:
             self.save(reason if due else "best", best=best)
             self._last_save = time.monotonic()
 
-    def _log(self, logger: MetricsLogger, window: _Window) -> None:
+    def _log(self, logger: MetricsLogger, window: Window) -> None:
         tokens_per_s = window.tokens / max(window.seconds, 1e-9)
         record = {
             "step": self.engine.global_steps,
@@ -439,42 +468,6 @@ class Trainer:
         if improved:
             self.best_bleu = result["bleu"]
         return improved
-
-
-@dataclass(frozen=True)
-class StepFlags:
-    """What a rank says before a step; after the step's all-reduce, what any rank said (every rank acts alike)."""
-
-    usr1: bool = False  # SIGUSR1 received: save, requeue, stop
-    term: bool = False  # SIGTERM received: save, stop
-    time_up: bool = False  # train.max_minutes spent
-    save_due: bool = False  # train.save_minutes passed since the last save
-    cooldown: bool = False  # the cool-down's share of train.max_minutes reached
-
-    def as_floats(self) -> list[float]:
-        return [float(getattr(self, f.name)) for f in fields(self)]
-
-    @classmethod
-    def any_of(cls, summed: list[float]) -> StepFlags:
-        """The flags from their world sums: set where any rank set it."""
-        return cls(*(value > 0 for value in summed))
-
-
-class _Window:
-    """Sums over the steps since the last log line."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    waited_from = 0.0  # the pipeline's wait counter at the window's start
-
-    def reset(self) -> None:
-        self.loss, self.tokens, self.seconds = 0.0, 0.0, 0.0
-
-    def add(self, loss: float, tokens: float, seconds: float) -> None:
-        self.loss += loss
-        self.tokens += tokens
-        self.seconds += seconds
 
 
 def _check_same_tokenizer(step_dir: Path, meta: dict, manifest: dict, allowed: bool, log) -> None:
