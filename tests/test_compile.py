@@ -2,8 +2,8 @@
 
 In process: a compiled model against an eager copy of itself (loss, every gradient, the
 dropout streams), with and without activation checkpointing, over batches of two
-lengths (one dynamic-shape compilation). End to end: a compiled run at TP=2 follows a
-compiled run at TP=1 and the eager run, resumes exactly after a kill, and its
+lengths (one dynamic-shape compilation). End to end: a compiled run at TP=2 follows the
+eager run at TP=1, resumes exactly after a kill, and its
 checkpoint decodes; a compiled pipeline (pp=2) follows the eager one.
 """
 
@@ -158,15 +158,17 @@ def compiled_tp2_run(corpus, tmp_path_factory) -> Path:
     return run
 
 
-def test_compiled_tp2_follows_compiled_tp1_and_eager(corpus, compiled_tp2_run, tmp_path):
-    tp1 = tmp_path / "tp1"
-    ok(train(tp1, 1, common(corpus) + ["train.max_steps=10", "train.save_interval=0", "train.compile=true"]))
+def test_compiled_tp2_follows_the_eager_unsharded_run(corpus, compiled_tp2_run, tmp_path):
+    """Compiled and sharded at once against the eager TP=1 run: the reference shares neither.
+
+    (A compiled TP=1 run between the two, compared with each, added ~45 s of compiling on
+    2 AVX2 cores and nothing this comparison does not already catch.)
+    """
     eager = tmp_path / "eager"
     ok(train(eager, 1, common(corpus) + ["train.max_steps=10", "train.save_interval=0"]))
-    two, one, reference = losses(compiled_tp2_run), losses(tp1), losses(eager)
+    two, reference = losses(compiled_tp2_run), losses(eager)
     for step in range(1, 11):
-        assert abs(two[step]["loss"] - one[step]["loss"]) <= 1e-4 * one[step]["loss"], step
-        assert abs(one[step]["loss"] - reference[step]["loss"]) <= 1e-4 * reference[step]["loss"], step
+        assert abs(two[step]["loss"] - reference[step]["loss"]) <= 1e-4 * reference[step]["loss"], step
 
 
 def test_compiled_run_killed_and_resumed_is_exact(corpus, compiled_tp2_run, tmp_path):

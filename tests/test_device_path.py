@@ -104,3 +104,36 @@ def test_native_bf16_is_read_from_the_cpu_flags_and_onednns_isa_cap(tmp_path, mo
     assert "no native bf16" in cpu_bf16_missing(tmp_path / "no-such-file")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx2")
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in cpu_bf16_missing(cpuinfo("avx2 fma avx512f avx512_bf16"))
+
+
+def test_the_cpu_matmul_peak_stops_growing_once_a_matmul_is_slow(monkeypatch):
+    """An emulated dtype is measured on a small matmul (bf16 at 1024 took 16 s per rank on AVX2)."""
+    import time
+
+    from megaformer.train import metrics
+
+    sizes = []
+    real = torch.randn
+
+    def recording(n, m, dtype):
+        sizes.append(n)
+        return real(n, m, dtype=dtype)
+
+    monkeypatch.setattr(metrics.torch, "randn", recording)
+    clock = iter(range(1000))  # every perf_counter call one second later: the first matmul is already slow
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: float(next(clock)))
+    assert metrics.measured_matmul_peak(torch.float32) == 2 * 128**3  # one second per matmul
+    assert sizes == [128, 128]
+    monkeypatch.setattr(metrics.time, "perf_counter", time.perf_counter)
+    sizes.clear()
+    assert metrics.measured_matmul_peak(torch.float32, n=256, slow=1e9) > 0
+    assert sizes == [128, 128, 256, 256]
+
+
+def test_bf16_on_a_cpu_without_it_says_fp32_is_faster(monkeypatch):
+    from megaformer.train import device
+
+    monkeypatch.setattr(device, "cpu_bf16_missing", lambda: "this CPU has no native bf16 (test)")
+    said = device.configure_math(torch.device("cpu"), "bf16")
+    assert "emulated: this CPU has no native bf16 (test)" in said and "train.precision=fp32" in said
+    assert device.configure_math(torch.device("cpu"), "fp32") == "fp32 matmuls on cpu"

@@ -59,6 +59,9 @@ def cpu_bf16_missing(cpuinfo: Path = CPUINFO) -> str | None:
 def configure_math(device: torch.device, precision: str) -> str:
     """Allow TF32 matmuls for fp32 training on CUDA; returns what was set, for the log."""
     if device.type != "cuda":
+        missing = cpu_bf16_missing() if precision == "bf16" else None
+        if missing:
+            return f"{precision} matmuls on cpu, emulated: {missing}; train.precision=fp32 trains several times faster here"
         return f"{precision} matmuls on {device.type}"
     if precision == "fp32":
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls
