@@ -117,13 +117,15 @@ def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus
     last = max(curve)
     (meta,) = (run / "checkpoints").glob("step-*/meta.json")
     warmup = json.loads(meta.read_text())["run"]["engine"]["warmup"]
-    assert warmup == int(said[-1].replace(",", ""))
+    # Refits that move the warm-up by under 10 % are not logged; its end is, at the update it ends.
+    assert abs(warmup - int(said[-1].replace(",", ""))) <= 0.1 * int(said[-1].replace(",", "")), (warmup, said)
+    assert re.findall(r"the warm-up ended at update ([\d,]+)", proc.stdout) == [f"{warmup:,}"], proc.stdout[-3000:]
     assert 0.25 * last * 0.6 <= warmup <= 0.25 * last * 1.4, (warmup, last)  # the share of the steps reached
     for step in range(warmup, last + 1):  # after the last fit the lr is the fitted schedule's (the next update's)
         assert curve[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
     more = train(run, 2, [*sets, "train.max_minutes=0.25"])
     ok(more)
-    assert "the warm-up ends" not in more.stdout  # the saved warm-up has ended: it stays
+    assert "the warm-up end" not in more.stdout  # the saved warm-up has ended: it stays
     resumed = losses(run)
     assert max(resumed) > last
     for step in range(last + 1, max(resumed) + 1):

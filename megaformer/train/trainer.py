@@ -96,7 +96,7 @@ class Trainer:
         self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
         self.tokens, self.train_seconds, self.world_seconds = 0, 0.0, 0.0
         self.budget = BudgetPlan(t.max_minutes, t.max_steps, t.warmup_fraction, t.warmup_steps)
-        self._warmup_said: int | None = None  # the fitted warm-up last logged
+        self._warmup_said: int | None = None  # the fitted warm-up last logged; None again once its end is
         self.best_bleu: float | None = None  # the best validation BLEU so far
         self.validation = Validation(cfg, ctx, self.model, self.pipeline, self._stream, self.has_valid, self.log)
         if saved:
@@ -397,6 +397,11 @@ class Trainer:
         step, updates = self.engine.global_steps, self.engine.optimizer_steps
         fitted = self.budget.fit(step, updates, self.world_seconds, self.engine.warmup)
         if fitted is None:
+            if self._warmup_said is not None and updates == self.engine.warmup:  # refits move it by < 10 % unsaid
+                self._warmup_said = None
+                self.log(
+                    f"train: the warm-up ended at update {updates:,} (train.warmup_fraction), lr {self.engine.lr():.3g}"
+                )
             return
         said = self._warmup_said
         self.engine.set_warmup(fitted)
