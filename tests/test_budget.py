@@ -3,22 +3,25 @@
 Unit checks of :mod:`megaformer.train.budget` and the fitted schedule against the paper's
 formula, then a tiny two-process run with a time budget: the warm-up it logs is the
 configured share of the steps it reached, its lr follows the fitted schedule, and a resume
-after the warm-up keeps the fitted one.
+after the warm-up keeps the fitted one. Last, the machine ``make multi30k`` trains on: a GPU
+when nvidia-smi lists one, two CPU ranks otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 import torch
+from train_helpers import ROOT, common, losses, ok, train
 
 from megaformer.config import load_config
 from megaformer.errors import ConfigError
 from megaformer.train.budget import RATE_STEPS, REFIT_EVERY, SETTLE_STEPS, BudgetPlan, compile_choice
 from megaformer.train.schedule import InverseSqrtSchedule, fitted_lr, inverse_sqrt_lr
-from tests.test_train import common, losses, ok, train
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -130,3 +133,25 @@ def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus
     assert max(resumed) > last
     for step in range(last + 1, max(resumed) + 1):
         assert resumed[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
+
+
+def _make_multi30k(env: dict, *settings: str) -> str:
+    """The train command ``make multi30k`` would run, with ``settings`` and ``env`` (``make -n``: nothing runs)."""
+    proc = subprocess.run(["make", "-n", "multi30k", *settings], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [cmd for cmd in proc.stdout.replace("\\\n", " ").splitlines() if "megaformer.cli train" in cmd]
+    return " ".join(line.split())
+
+
+def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path):
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-00000000)"\n')
+    fake.chmod(0o755)
+    gpu = _make_multi30k({**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}, "MINUTES=5")
+    assert "--nproc 1 --set parallel.device=cuda --set data.max_tokens=3072" in gpu, gpu
+    assert "train.precision=bf16 --set train.zero_stage=1" in gpu and "model.dropout=0.25" in gpu, gpu
+    assert "--run-dir runs/multi30k/run-5m" in gpu, gpu
+    cpu = _make_multi30k(dict(os.environ), "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=fp32")
+    assert "--nproc 2" in cpu and "parallel.device" not in cpu, cpu
+    assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.15" in cpu, cpu

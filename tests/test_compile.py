@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import common, losses, megaformer, ok, train
+from train_helpers import common, losses, megaformer, ok, train
 
 from megaformer.config import ModelConfig
 from megaformer.decode.beam import SearchSettings, beam_search

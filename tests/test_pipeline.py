@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import ROOT, common, losses, ok, train
+from train_helpers import ROOT, common, losses, ok, train
 
 from megaformer.config import load_config
 from megaformer.errors import ConfigError

@@ -18,96 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import FAKES, ROOT, TINY, common, falling, losses, megaformer, ok, train
 
 from megaformer.train.device import kernel_thp_mode
 from megaformer.train.schedule import inverse_sqrt_lr
-
-ROOT = Path(__file__).resolve().parents[1]
-FAKES = ROOT / "tests" / "fakes"
-TINY = ROOT / "configs" / "tiny.yaml"
-
-
-def common(corpus: Path) -> list[str]:
-    # A short warm-up to a high learning rate, so that runs of 30 steps show the loss falling.
-    return [
-        f"data.path={corpus}",
-        "data.max_tokens=512",
-        "data.num_workers=0",
-        "train.tokens_per_step=1024",
-        "train.log_interval=1",
-        "train.eval_interval=0",
-        "train.save_interval=10",
-        "train.keep_last=5",
-        "train.lr_scale=2.0",
-        "train.warmup_steps=100",
-    ]
-
-
-def train(
-    run_dir: Path,
-    nproc: int,
-    sets: list[str],
-    fault: str = "",
-    extra_env: dict | None = None,
-    resume: str = "auto",
-    timeout: int = 600,
-) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{FAKES}{os.pathsep}{ROOT}",
-        "OMP_NUM_THREADS": "1",
-        "MEGAFORMER_TEST_FAULT": fault,
-        **(extra_env or {}),
-    }
-    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
-    env = {name: value for name, value in env.items() if value is not None}  # extra_env None: unset
-    args = [
-        sys.executable,
-        "-m",
-        "megaformer.cli",
-        "train",
-        "--config",
-        str(TINY),
-        "--run-dir",
-        str(run_dir),
-        "--nproc",
-        str(nproc),
-        "--resume",
-        resume,
-        "--set",
-        "parallel.backend=gloo",  # CPU tensors through gloo, also where CUDA is visible
-    ]
-    for s in sets:
-        args += ["--set", s]
-    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
-
-
-def megaformer(*args, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m megaformer.cli ARGS`` from the repository root, its output captured."""
-    argv = [sys.executable, "-m", "megaformer.cli", *map(str, args)]
-    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
-
-
-def losses(run_dir: Path) -> dict[int, dict]:
-    """The last record logged for each step (a resumed run logs the replayed steps again)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["kind"] == "train":
-            out[r["step"]] = r
-    return out
-
-
-def ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-
-
-def falling(curve: dict[int, dict]) -> bool:
-    steps = sorted(curve)
-    first = sum(curve[s]["loss"] for s in steps[:5]) / 5
-    last = sum(curve[s]["loss"] for s in steps[-5:]) / 5
-    return last < first - 0.5
-
 
 # ---- reference runs, shared by several tests -------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_train import common, losses, ok, train
+from train_helpers import common, losses, ok, train
 
 from megaformer import checkpoint as ckpt
 from megaformer.data.tokenizer import EOS_ID, Tokenizer
