@@ -137,3 +137,24 @@ def test_bf16_on_a_cpu_without_it_says_fp32_is_faster(monkeypatch):
     said = device.configure_math(torch.device("cpu"), "bf16")
     assert "emulated: this CPU has no native bf16 (test)" in said and "train.precision=fp32" in said
     assert device.configure_math(torch.device("cpu"), "fp32") == "fp32 matmuls on cpu"
+
+
+def test_the_matmul_peak_does_not_stop_growing_on_a_cold_first_call(monkeypatch):
+    """A kernel's set-up (here 50 ms on the first call at each size) is not the matmul's time."""
+    import time
+
+    from megaformer.train import metrics
+
+    calls: list[int] = []
+
+    class Operand:
+        def __init__(self, n):
+            self.n = n
+
+        def __matmul__(self, other):
+            time.sleep(0.05 if self.n not in calls else 0.0)
+            calls.append(self.n)
+
+    monkeypatch.setattr(metrics.torch, "randn", lambda n, m, dtype: Operand(n))
+    assert metrics.measured_matmul_peak(torch.float32, n=1024) > 0
+    assert sorted(set(calls)) == [128, 256, 512, 1024], calls  # grown to n, each size warmed once

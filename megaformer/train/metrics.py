@@ -55,16 +55,19 @@ def gpu_peak_tflops(name: str, precision: str, tf32: bool = True) -> float:
 def measured_matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 5, slow: float = 0.02) -> float:
     """FLOP/s of an n x n matmul on this CPU (median of ``repeats``).
 
-    The size doubles from 128 to ``n`` while one matmul takes under ``slow`` seconds, so
-    a dtype the CPU only emulates (bf16 or fp16 without AVX512-BF16/AMX: ~0.8 GFLOP/s on
+    The size doubles from 128 to ``n`` while one warm matmul takes under ``slow`` seconds,
+    so a dtype the CPU only emulates (bf16 or fp16 without AVX512-BF16/AMX: ~0.8 GFLOP/s on
     AVX2, 50x below fp32) is measured in a fraction of a second, not in the 16 s that
-    1024 x 1024 took there, on every rank of every start.
+    1024 x 1024 took there, on every rank of every start. The first call at each size only
+    warms the kernel up: timed, its set-up stopped the doubling at a small size, whose lower
+    FLOP/s put the MFU of fp32 training above 100 %.
     """
     size = min(128, n)
     while True:
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        a @ b
         t = time.perf_counter()
-        a @ b  # the first call also warms the kernel up
+        a @ b
         if size >= n or time.perf_counter() - t >= slow:
             break
         size *= 2
