@@ -33,6 +33,9 @@ M30K_LAYOUT := $(if $(M30K_ON_GPU),--nproc 1 --set parallel.device=cuda --set da
 # reach the CPU hour's ~9,000 steps within minutes, keeps 0.25.
 M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * ("$(M30K_PRECISION)" == "bf16" ? 125 : 45) }')
 M30K_DROPOUT := $(if $(M30K_ON_GPU),0.25,$(shell awk 'BEGIN { print ($(M30K_STEPS) < 3600) ? 0.15 : 0.25 }'))
+# A run expected to reach under 1,000 steps takes steps of half the tokens, twice as many: in 10 minutes of fp32
+# under AVX2 kernels 1,041 steps of 1,500 tokens scored 22.95 valid BLEU against 11.75 for 440 of 3,000.
+M30K_TOKENS := $(if $(M30K_ON_GPU),3000,$(shell awk 'BEGIN { print ($(M30K_STEPS) < 1000) ? 1500 : 3000 }'))
 
 .PHONY: install lint test check demo multi30k clean
 
@@ -68,7 +71,7 @@ multi30k: install
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
 		--test $(DATA)/test_2016_flickr --vocab-size 8000 --out $(M30K)/data --force
 	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) \
-		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) \
+		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) --set train.tokens_per_step=$(M30K_TOKENS) \
 		--set train.max_minutes=$(MINUTES) --set train.save_minutes=$(M30K_SAVE) --run-dir $(M30K_RUN) $(M30K_LAYOUT) --resume auto
 	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt
 	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged$(M30K_TAG).pt --input $(M30K)/data/test.en \

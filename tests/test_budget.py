@@ -155,3 +155,6 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     cpu = _make_multi30k(dict(os.environ), "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=fp32")
     assert "--nproc 2" in cpu and "parallel.device" not in cpu, cpu
     assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.15" in cpu, cpu
+    assert "train.tokens_per_step=1500" in cpu and "train.tokens_per_step=3000" in gpu, (cpu, gpu)  # ~675 steps
+    hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=fp32")
+    assert "train.tokens_per_step=3000" in hour and "train.max_minutes=60" in hour, hour
