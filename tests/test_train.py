@@ -12,13 +12,11 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import FAKES, ROOT, TINY, common, falling, losses, megaformer, ok, train
+from train_helpers import FAKES, TINY, common, falling, losses, megaformer, ok, train
 
 from megaformer.train.device import kernel_thp_mode
 from megaformer.train.schedule import inverse_sqrt_lr
@@ -377,30 +375,8 @@ def test_non_finite_loss_stops_without_saving(corpus, tmp_path, precision):
 
 
 def test_mixed_precision_needs_zero(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megaformer.cli",
-            "train",
-            "--config",
-            str(TINY),
-            "--run-dir",
-            str(tmp_path),
-            "--set",
-            "parallel.backend=gloo",
-            "--set",
-            "train.precision=bf16",
-            "--set",
-            "train.zero_stage=0",
-            "--set",
-            f"data.path={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    sets = ["parallel.backend=gloo", "train.precision=bf16", "train.zero_stage=0", f"data.path={tmp_path}"]
+    proc = megaformer("train", "--config", TINY, "--run-dir", tmp_path, *[a for s in sets for a in ("--set", s)])
     assert proc.returncode == 2 and "train.zero_stage=1" in proc.stderr and "Traceback" not in proc.stderr
 
 
