@@ -74,7 +74,16 @@ def test_compiled_layers_equal_eager_layers_with_dropout_on(activation_checkpoin
     Inductor's loops sum in another order than ATen's kernels, and without vector kernels
     (``ATEN_CPU_CAPABILITY=default``) the two differ by up to ~3e-7 of a gradient's scale,
     which an element near zero (a cancelling sum) cannot meet relatively.
+
+    AOTAutograd's cache takes the layers' graphs, their autograd Functions included
+    (megaformer.cli), so a restarted process loads them instead of tracing them again; the
+    resumed compiled run below is such a process, and must match bitwise.
     """
+    from torch._dynamo.utils import counters
+
+    if not activation_checkpointing:  # compiled here, not reused from another test's graphs in memory
+        torch._dynamo.reset()
+    counters.clear()
     eager, compiled = _models(activation_checkpointing)
     generator = torch.Generator().manual_seed(0)
     for batch, length in ((3, 7), (5, 11)):  # another shape: the same (dynamic) graphs
@@ -92,6 +101,9 @@ def test_compiled_layers_equal_eager_layers_with_dropout_on(activation_checkpoin
             scale = max(grad.abs().max().item(), 1.0)
             assert torch.allclose(grads_c[name], grad, rtol=1e-4, atol=1e-6 * scale), name
         assert compiled.rng.state_dict() == eager.rng.state_dict()  # as many masks drawn
+    aot = counters["aot_autograd"]
+    assert not aot["autograd_cache_bypass"], aot
+    assert activation_checkpointing or aot["autograd_cache_hit"] + aot["autograd_cache_saved"] >= 1, aot
 
 
 def test_a_batch_or_length_of_one_runs_eagerly_without_recompiling():

@@ -92,3 +92,7 @@ def test_inductor_gets_a_cache_of_each_cpu_kernel_level(tmp_path):
     mine = {"ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CACHE_DIR": "/mine"}
     compile_cache_defaults(mine)
     assert mine["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+    assert mine["TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"] == "1"  # see test_compile.py
+    off = {"TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD": "0"}
+    compile_cache_defaults(off)
+    assert off["TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"] == "0"
