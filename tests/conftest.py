@@ -20,6 +20,12 @@ os.environ["DS_ACCELERATOR"] = "cpu"
 from megaformer.cli import compile_cache_defaults  # noqa: E402
 
 compile_cache_defaults()
+# Under pytest-xdist (`make test`) the workers share the cores: each worker's in-process torch
+# and the commands it starts take their share of the threads instead of all of them each
+# (OpenMP threads that outnumber the cores spin against each other).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +58,17 @@ def run(capsys):
         return code, out, err
 
     return call
+
+
+# `make test` spreads whole files over pytest-xdist workers (--dist loadfile), so that a file's
+# session fixtures (the cluster, the shared training runs) are built once. Files start in this
+# order, the longest first, so that none of them is left to run alone at the end.
+LONGEST_FIRST = ("test_slurm_cluster", "test_compile", "test_train", "test_pipeline", "test_budget")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.stem
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: tests keep their order inside a file
