@@ -113,7 +113,7 @@ def host_memory_defaults(environ: dict[str, str] = os.environ) -> None:
 
 
 def compile_cache_defaults(environ: dict[str, str] = os.environ, cpuinfo: str = "/proc/cpuinfo") -> None:
-    """Inductor's kernel cache in a folder of this CPU kernel level (``TORCHINDUCTOR_CACHE_DIR`` set by the user is kept).
+    """Inductor's kernel cache in a folder of this CPU kernel level, and AOTAutograd's for the layers (what the user set is kept).
 
     Inductor (torch 2.13) keys its cache without the vector ISA: code generated under the
     AVX2 or AVX-512 kernels is reused under ``ATEN_CPU_CAPABILITY=default``, where its
