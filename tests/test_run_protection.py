@@ -137,6 +137,30 @@ def test_a_requeued_slurm_job_waits_for_its_earlier_self_then_takes_over(tmp_pat
     holder.wait(timeout=10)
 
 
+RELEASING = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+print("cleared", flush=True)
+time.sleep(0.5)
+fcntl.flock(fd, fcntl.LOCK_UN)
+"""
+
+
+def test_a_lock_changing_hands_is_waited_for_not_refused(tmp_path):
+    """A holder between clearing its record and unlocking (or between locking and writing it): not a refusal."""
+    (tmp_path / "run").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RELEASING, str(tmp_path / "run" / LOCK_NAME)], stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"cleared"
+        RunLock(tmp_path / "run", "4242").acquire(requeue_wait_s=0).release()
+    finally:
+        proc.wait(timeout=10)
+
+
 def test_without_flock_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
     import errno
     import fcntl

@@ -103,6 +103,9 @@ class RunLock:
     def _flock(self, fd: int, requeue_wait_s: float) -> bool:
         """True once flock is held; False where the file system has no flock. Refuses a live holder."""
         deadline = time.monotonic() + requeue_wait_s
+        # A held lock whose file names nobody is changing hands: the holder is writing its record
+        # (acquire) or has just cleared it (release, before unlocking). Look again for a moment.
+        settle = time.monotonic() + 1.0
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -114,6 +117,9 @@ class RunLock:
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise ConfigError(f"{self.path}: cannot lock the run directory ({err.strerror})") from None
             holder = read_holder(self.path)
+            if holder is None and time.monotonic() < settle:
+                time.sleep(0.02)
+                continue
             same_job = holder is not None and self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id
             if not same_job or time.monotonic() >= deadline:
                 raise ConfigError(self._held_message(holder))
