@@ -8,9 +8,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -110,12 +113,37 @@ def test_fewer_shards_than_ranks_times_workers(one_shard: Path) -> None:
 
 
 def test_batches_do_not_depend_on_worker_count(prepared: Path) -> None:
-    count = epoch_batches(prepared, 0, dp_size=1, **OPTIONS)
+    """Read in this process, or read ahead by persistent workers: the same batches, across two epoch boundaries."""
+    count = epoch_batches(prepared, 0, dp_size=1, **OPTIONS) + epoch_batches(prepared, 1, dp_size=1, **OPTIONS) + 5
     runs = [
-        take(TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, num_workers=w, **OPTIONS), count) for w in (0, 2)
+        take(TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, num_workers=w, **OPTIONS), count)
+        for w in (0, 1, 2)
     ]
-    for a, b in zip(*runs):
-        assert_same(a, b)
+    for batches in runs[1:]:
+        for a, b in zip(runs[0], batches, strict=True):
+            assert_same(a, b)
+
+
+def test_workers_persist_across_epochs_and_stop_with_the_iterator(prepared: Path) -> None:
+    """One set of loader processes reads every epoch; closing the iterator stops them and the read-ahead thread."""
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    stream = TokenBatchStream(prepared, "train", dp_rank=0, dp_size=2, num_workers=2, **OPTIONS)
+    per_epoch = stream.batches_per_epoch()
+    batches = iter(stream)
+    seen = []
+    for i in range(2 * per_epoch + 3):
+        next(batches)
+        if i in (1, per_epoch + 1, 2 * per_epoch + 1):
+            seen.append({p.pid for p in me.children(recursive=True)} - before)
+    assert stream.epoch == 2 and stream.position == 3
+    assert len(seen[0]) >= 2 and seen[0] == seen[1] == seen[2], seen
+    batches.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and ({p.pid for p in me.children(recursive=True)} & seen[0]):
+        time.sleep(0.1)
+    assert not {p.pid for p in me.children(recursive=True) if p.is_running()} & seen[0]
+    assert not [t for t in threading.enumerate() if t.name == "megaformer-read"]
 
 
 def test_batches_hold_the_prepared_text(prepared: Path) -> None:

@@ -3,6 +3,7 @@
     megaformer prepare --src en --tgt de --train PREFIX [--train PREFIX ...]
         [--valid PREFIX] [--test PREFIX] --out DIR [--vocab-size N] [--spm MODEL] [--shard-size N]
     megaformer prepare --synthetic N --out DIR        # the built-in corpus (data/synthetic.py)
+    megaformer prepare --synthetic N --synthetic-shape wmt14 --out DIR   # WMT'14 en-de's shape (data/wmt_shaped.py)
 
 The options become one :class:`megaformer.data.prepare.PrepareSettings`, written by
 :func:`megaformer.data.prepare.prepare` (the steps are described there).
@@ -30,7 +31,7 @@ from megaformer.cli_args import (
 )
 from megaformer.config import DataConfig
 from megaformer.data.corpus import FilterSettings
-from megaformer.data.prepare import SYNTHETIC_VOCAB, PrepareSettings, made_by_prepare, prepare
+from megaformer.data.prepare import SYNTHETIC_SHAPES, SYNTHETIC_VOCAB, PrepareSettings, made_by_prepare, prepare
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG
 from megaformer.errors import DataError
 
@@ -62,6 +63,13 @@ def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) ->
         metavar="N",
         help=f"generate the built-in corpus with N training pairs (languages {SRC_LANG}/{TGT_LANG}) instead of --train",
     )
+    data.add_argument(
+        "--synthetic-shape",
+        choices=SYNTHETIC_SHAPES,
+        default="task",
+        help="with --synthetic: 'task', the built-in translation task, or 'wmt14', a corpus with WMT'14 en-de's "
+        "lengths and a 37000-piece vocabulary for speed measurements, not a language (default: %(default)s)",
+    )
 
 
 def _add_output_arguments(out: argparse._ArgumentGroup, defaults: DataConfig) -> None:
@@ -89,7 +97,9 @@ def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig)
         "--vocab-size",
         type=int_range(8),
         metavar="N",
-        help=f"shared BPE vocabulary (default: {defaults.vocab_size}; {SYNTHETIC_VOCAB} with --synthetic)",
+        help=f"shared BPE vocabulary (default: {defaults.vocab_size}; with --synthetic "
+        + ", ".join(f"{n} for {shape}" for shape, n in SYNTHETIC_VOCAB.items())
+        + ")",
     )
     tok.add_argument(
         "--spm", type=existing_file, metavar="MODEL", help="reuse this sentencepiece model instead of training one"
@@ -164,6 +174,8 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
         raise DataError("--synthetic generates its own corpus: do not also give --train")
     if args.synthetic is None and not args.train:
         raise DataError("give at least one --train PREFIX (or --synthetic N for the built-in corpus)")
+    if args.synthetic is None and args.synthetic_shape != "task":
+        raise DataError(f"--synthetic-shape {args.synthetic_shape} shapes the corpus of --synthetic N: give it too")
     if args.bpe_copies > 1 and args.bpe_dropout == 0:
         raise DataError(
             f"--bpe-copies {args.bpe_copies} without --bpe-dropout would store one segmentation "
@@ -171,7 +183,7 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
         )
     vocab_size = args.vocab_size
     if vocab_size is None:
-        vocab_size = SYNTHETIC_VOCAB if args.synthetic is not None else DataConfig().vocab_size
+        vocab_size = SYNTHETIC_VOCAB[args.synthetic_shape] if args.synthetic is not None else DataConfig().vocab_size
     filters = FilterSettings(
         keep_empty=args.keep_empty,
         dedup=not args.no_dedup,
@@ -184,6 +196,7 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
         valid=args.valid,
         test=args.test,
         synthetic=args.synthetic,
+        synthetic_shape=args.synthetic_shape,
         src=args.src,
         tgt=args.tgt,
         vocab_size=vocab_size,

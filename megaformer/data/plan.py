@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -50,10 +50,15 @@ class PlanSettings:
 
 @dataclass
 class RankPlan:
-    """One rank's epoch: ``read`` = sample ids in the order its shards are read; ``batches`` in order."""
+    """One rank's epoch: ``read`` = sample ids in the order its shards are read; ``batches`` in order.
+
+    ``windows``: the index of each sort window's first batch (a window's first batch needs the
+    whole window read).
+    """
 
     read: np.ndarray
     batches: list[np.ndarray]
+    windows: list[int] = field(default_factory=list)
 
 
 def _rng(*words: int) -> np.random.Generator:
@@ -73,16 +78,19 @@ def _cut(order: np.ndarray, longest: np.ndarray, max_tokens: int) -> list[np.nda
     return batches
 
 
-def _rank_batches(ids: np.ndarray, lengths: np.ndarray, s: PlanSettings, epoch: int, rank: int) -> list[np.ndarray]:
+def _rank_batches(ids: np.ndarray, lengths: np.ndarray, s: PlanSettings, epoch: int, rank: int) -> RankPlan:
     """Steps 3 and 4 of the plan for one rank's share ``ids`` (in read order)."""
+    read = ids
     if s.shuffle and s.shuffle_buffer > 1:
         jitter = _rng(s.seed, epoch, rank, 1).random(len(ids)) * s.shuffle_buffer
         ids = ids[np.argsort(np.arange(len(ids)) + jitter, kind="stable")]
-    batches: list[np.ndarray] = []
+    plan = RankPlan(read, [])
+    batches = plan.batches
     windows = max(1, -(-len(ids) // max(1, s.sort_buffer)))
     for w, window in enumerate(np.array_split(ids, windows)):
         if len(window) == 0:
             continue
+        plan.windows.append(len(batches))
         rng = _rng(s.seed, epoch, rank, 2, w)
         src, tgt = lengths[window, 0] + 1, lengths[window, 1] + 1  # with eos (src) / bos or eos (tgt)
         longest, diff = np.maximum(src, tgt), tgt - src
@@ -92,7 +100,7 @@ def _rank_batches(ids: np.ndarray, lengths: np.ndarray, s: PlanSettings, epoch: 
         order = np.lexsort((ties, np.where(longest % 2 == 0, diff, -diff), longest))
         cut = _cut(window[order], longest[order], s.max_tokens)
         batches.extend(cut[i] for i in (rng.permutation(len(cut)) if s.shuffle else range(len(cut))))
-    return batches
+    return plan
 
 
 def _equalize(plans: list[RankPlan], split: str) -> None:
@@ -109,11 +117,11 @@ def _equalize(plans: list[RankPlan], split: str) -> None:
                 )
             half = len(plan.batches[big]) // 2
             plan.batches[big : big + 1] = [plan.batches[big][:half], plan.batches[big][half:]]
+            plan.windows = [w + (w > big) for w in plan.windows]
 
 
-def plan_epoch(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.ndarray | None = None) -> list[RankPlan]:
-    """The plan of every rank for ``epoch``; ``available`` (bool per sample) limits it to some samples."""
-    lengths = data.lengths
+def _read_order(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.ndarray | None) -> np.ndarray:
+    """Steps 1 and 2 before the cut: every kept sample of ``epoch`` in the order the shards are read."""
     shards = (
         _rng(s.seed, epoch, 0).permutation(len(data.shard_sizes)) if s.shuffle else np.arange(len(data.shard_sizes))
     )
@@ -123,10 +131,21 @@ def plan_epoch(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.n
         if len(shards)
         else np.zeros(0, np.int64)
     )
-    keep = np.ones(len(lengths), dtype=bool) if available is None else available.copy()
+    keep = np.ones(len(data.lengths), dtype=bool) if available is None else available.copy()
     if s.max_len > 0:
-        keep &= lengths.max(axis=1, initial=0) <= s.max_len
-    order = order[keep[order]]
+        keep &= data.lengths.max(axis=1, initial=0) <= s.max_len
+    return order[keep[order]]
+
+
+def rank_read(data: PreparedSplit, s: PlanSettings, epoch: int, rank: int) -> np.ndarray:
+    """``plan_epoch(data, s, epoch)[rank].read`` without batching: what a rank's loader workers read in an epoch."""
+    return np.array_split(_read_order(data, s, epoch, None), s.dp_size)[rank]
+
+
+def plan_epoch(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.ndarray | None = None) -> list[RankPlan]:
+    """The plan of every rank for ``epoch``; ``available`` (bool per sample) limits it to some samples."""
+    lengths = data.lengths
+    order = _read_order(data, s, epoch, available)
     if available is not None and len(order) < s.dp_size:
         # The rest of an epoch re-planned for more ranks than samples are left: it cannot give
         # every rank a batch, so those few samples wait for the next epoch.
@@ -137,9 +156,7 @@ def plan_epoch(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.n
                 stacklevel=2,
             )
         return [RankPlan(order[:0], []) for _ in range(s.dp_size)]
-    plans = [RankPlan(part, []) for part in np.array_split(order, s.dp_size)]
-    for rank, plan in enumerate(plans):
-        plan.batches = _rank_batches(plan.read, lengths, s, epoch, rank)
+    plans = [_rank_batches(part, lengths, s, epoch, rank) for rank, part in enumerate(np.array_split(order, s.dp_size))]
     _equalize(plans, data.split)
     return plans
 

@@ -45,11 +45,16 @@ from megaformer.data.corpus import (
 from megaformer.data.shards import FORMAT, VERSION, ShardWriter, token_dtype, write_manifest
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG, write_synthetic_corpus
 from megaformer.data.tokenizer import Tokenizer, train_bpe
+from megaformer.data.wmt_shaped import SRC_LANG as WMT_SRC_LANG
+from megaformer.data.wmt_shaped import TGT_LANG as WMT_TGT_LANG
+from megaformer.data.wmt_shaped import write_wmt_shaped_corpus
 from megaformer.errors import DataError
 from megaformer.files import atomic_output
 
 _ENCODE_CHUNK = 10000  # lines encoded per sentencepiece call
-SYNTHETIC_VOCAB = 1000
+# The corpora ``prepare --synthetic N`` generates, and their default vocabularies.
+SYNTHETIC_SHAPES = ("task", "wmt14")
+SYNTHETIC_VOCAB = {"task": 1000, "wmt14": 37000}
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,8 @@ class PrepareSettings:
     ``train`` prefixes are concatenated (``PREFIX.<src>`` / ``PREFIX.<tgt>``, plain or .gz);
     ``valid`` and ``test`` keep every line. ``synthetic`` N generates the built-in corpus
     of N training pairs (and its valid and test splits, languages xx/yy) inside the output
-    instead. ``spm`` reuses a sentencepiece model instead of training one of
+    instead; with ``synthetic_shape="wmt14"``, a corpus of WMT'14 en-de's shape (languages
+    xs/ys, :mod:`megaformer.data.wmt_shaped`). ``spm`` reuses a sentencepiece model instead of training one of
     ``vocab_size`` pieces on at most ``spm_sentences`` sentences (0 = all).
     ``bpe_dropout`` P > 0 stores ``bpe_copies`` sampled segmentations of every training pair.
     """
@@ -68,6 +74,7 @@ class PrepareSettings:
     valid: str | None = None
     test: str | None = None
     synthetic: int | None = None
+    synthetic_shape: str = "task"
     src: str = DataConfig.src_lang
     tgt: str = DataConfig.tgt_lang
     vocab_size: int = DataConfig.vocab_size
@@ -343,13 +350,20 @@ def made_by_prepare(folder: Path) -> bool:
 
 
 def _with_synthetic_corpus(settings: PrepareSettings, folder: Path) -> PrepareSettings:
-    """``settings`` reading the built-in corpus of ``settings.synthetic`` pairs, generated into ``folder``."""
-    held_out = max(1, min(1000, settings.synthetic // 10))
-    prefixes = write_synthetic_corpus(folder, settings.synthetic, held_out, held_out, settings.seed)
+    """``settings`` reading the generated corpus of ``settings.synthetic`` pairs, written into ``folder``."""
+    n = settings.synthetic
+    if settings.synthetic_shape == "wmt14":  # valid and test of newstest's size
+        held_out = max(1, min(3000, n // 10))
+        prefixes = write_wmt_shaped_corpus(folder, n, held_out, held_out, settings.seed)
+        languages = (WMT_SRC_LANG, WMT_TGT_LANG)
+    else:
+        held_out = max(1, min(1000, n // 10))
+        prefixes = write_synthetic_corpus(folder, n, held_out, held_out, settings.seed)
+        languages = (SRC_LANG, TGT_LANG)
     return replace(
         settings,
-        src=SRC_LANG,
-        tgt=TGT_LANG,
+        src=languages[0],
+        tgt=languages[1],
         train=(str(prefixes["train"]),),
         valid=str(prefixes["valid"]),
         test=str(prefixes["test"]),

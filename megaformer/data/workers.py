@@ -3,9 +3,13 @@
 A *run* is the part of one shard that a rank reads in an epoch: ``(shard, wanted
 positions)``. Workers read disjoint runs, so no tar header is parsed twice, and send the
 decoded samples to the rank's main process in chunks (:class:`Chunk`, four flat arrays:
-cheap to pickle). A DataError met in a worker travels as a value (:class:`Failure`).
-What a worker decodes is checked there: each shard's bytes against the manifest's
-sha256 as they stream, and every token id against the vocabulary.
+cheap to pickle), each tagged with its epoch; a worker ends each epoch with an
+:class:`EpochEnd`. Workers persist across epochs: after the epoch the stream started in,
+a worker computes the next epoch's read order from the lengths (:func:`rank_read`, a pure
+function) and reads its share of it, so no process is started at an epoch boundary. A
+DataError met in a worker travels as a value (:class:`Failure`). What a worker decodes is
+checked there: each shard's bytes against the manifest's sha256 as they stream, and every
+token id against the vocabulary.
 
 Workers ignore the signals the trainer handles (:func:`ignore_trainer_signals`), and
 are started with those signals blocked (:func:`start_workers`).
@@ -23,22 +27,25 @@ from multiprocessing import resource_tracker
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from megaformer.data.plan import PlanSettings, rank_read
 from megaformer.data.shards import PreparedSplit, read_shard
 from megaformer.errors import DataError
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Decoded samples travelling from a worker to the main process as four flat arrays."""
+    """Decoded samples of one epoch travelling from a worker to the main process as four flat arrays."""
 
+    epoch: int
     ids: np.ndarray
     lengths: np.ndarray  # (n, 2)
     src: np.ndarray
     tgt: np.ndarray
 
     @staticmethod
-    def pack(samples: list[tuple[int, np.ndarray, np.ndarray]]) -> Chunk:
+    def pack(epoch: int, samples: list[tuple[int, np.ndarray, np.ndarray]]) -> Chunk:
         return Chunk(
+            epoch,
             np.fromiter((i for i, _, _ in samples), dtype=np.int64, count=len(samples)),
             np.array([(len(s), len(t)) for _, s, t in samples], dtype=np.int64).reshape(-1, 2),
             np.concatenate([s for _, s, _ in samples]),
@@ -49,6 +56,13 @@ class Chunk:
         srcs = np.split(self.src, np.cumsum(self.lengths[:-1, 0]))
         tgts = np.split(self.tgt, np.cumsum(self.lengths[:-1, 1]))
         return zip(self.ids.tolist(), srcs, tgts)
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """A worker has sent every sample of ``epoch`` it reads."""
+
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -107,48 +121,68 @@ def start_workers(loader: DataLoader) -> Iterator:
 
 
 class RunReader(IterableDataset):
-    """Reads shard runs ``w, w + W, ...`` (worker ``w`` of ``W``) and yields their wanted samples in chunks.
+    """Reads shard runs ``w, w + W, ...`` (worker ``w`` of ``W``) of each epoch; yields their samples in chunks.
 
-    A *run* is the part of one shard that a rank reads: ``(shard, wanted positions)``.
-    Workers read disjoint runs, so no tar header is parsed twice.
+    ``first_runs`` are the runs of ``first_epoch`` (what the stream's position still
+    needs of it). With ``repeat`` a worker goes on to the following epochs, each the
+    rank's whole share (:func:`rank_read` of ``settings`` and ``dp_rank``).
     """
 
     def __init__(
-        self, data: PreparedSplit, runs: list[tuple[int, np.ndarray]], verify: bool = True, chunk: int = 512
+        self,
+        data: PreparedSplit,
+        first_epoch: int,
+        first_runs: list[tuple[int, np.ndarray]],
+        settings: PlanSettings,
+        dp_rank: int,
+        *,
+        repeat: bool = False,
+        verify: bool = True,
+        chunk: int = 512,
     ) -> None:
-        self.data, self.runs, self.verify, self.chunk = data, runs, verify, chunk
+        self.data, self.first_epoch, self.first_runs = data, first_epoch, first_runs
+        self.settings, self.dp_rank, self.repeat = settings, dp_rank, repeat
+        self.verify, self.chunk = verify, chunk
 
-    def __iter__(self) -> Iterator[Chunk | Failure]:
+    def __iter__(self) -> Iterator[Chunk | EpochEnd | Failure]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        epoch, runs = self.first_epoch, self.first_runs
         try:
-            for shard, wanted in self.runs[worker::workers]:
-                url, offset = self.data.urls[shard], int(self.data.offsets[shard])
-                sha256 = self.data.sha256_of_shard(shard) if self.verify else None
-                samples = []
-                for position, src, tgt in read_shard(
-                    url, wanted=wanted, expected=self.data.shard_sizes[shard], sha256=sha256
-                ):
-                    samples.append((offset + position, src, tgt))
-                    if len(samples) == self.chunk:
-                        yield self._checked(samples, url)
-                        samples = []
-                if samples:
-                    yield self._checked(samples, url)
+            while True:
+                for shard, wanted in runs[worker::workers]:
+                    yield from self._read(epoch, shard, wanted)
+                yield EpochEnd(epoch)
+                if not self.repeat:
+                    return
+                epoch += 1
+                runs = shard_runs(self.data, rank_read(self.data, self.settings, epoch, self.dp_rank))
         except DataError as err:
             yield Failure(str(err))
 
-    def _checked(self, samples: list[tuple[int, np.ndarray, np.ndarray]], url: str) -> Chunk:
+    def _read(self, epoch: int, shard: int, wanted: np.ndarray) -> Iterator[Chunk]:
+        url, offset = self.data.urls[shard], int(self.data.offsets[shard])
+        sha256 = self.data.sha256_of_shard(shard) if self.verify else None
+        samples = []
+        for position, src, tgt in read_shard(url, wanted=wanted, expected=self.data.shard_sizes[shard], sha256=sha256):
+            samples.append((offset + position, src, tgt))
+            if len(samples) == self.chunk:
+                yield self._checked(epoch, samples, url)
+                samples = []
+        if samples:
+            yield self._checked(epoch, samples, url)
+
+    def _checked(self, epoch: int, samples: list[tuple[int, np.ndarray, np.ndarray]], url: str) -> Chunk:
         """The samples as a chunk, their token ids checked against the vocabulary (once per chunk)."""
-        chunk = Chunk.pack(samples)
+        chunk = Chunk.pack(epoch, samples)
         self.data.check_ids(chunk.src, f"{url} (source side)")
         self.data.check_ids(chunk.tgt, f"{url} (target side)")
         return chunk
 
 
-def shard_runs(data: PreparedSplit, read: np.ndarray, needed: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """The shard runs of a rank's read order that hold needed samples, in read order."""
-    ids = read[needed[read]]
+def shard_runs(data: PreparedSplit, read: np.ndarray, needed: np.ndarray | None = None) -> list[tuple[int, np.ndarray]]:
+    """The shard runs of a rank's read order that hold needed samples (default: all), in read order."""
+    ids = read if needed is None else read[needed[read]]
     if len(ids) == 0:
         return []
     offsets = data.offsets
