@@ -218,6 +218,29 @@ def test_fp64_loss_is_computed_in_fp64(smoothing):
     assert (logits.grad[:, :vocab] - ref_logits.grad).abs().max().item() <= 1e-14
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_loss_of_half_precision_logits_is_fp32_with_one_full_size_buffer(dtype):
+    """bf16/fp16 logits: loss and gradient as F.cross_entropy of their fp32 values; one (N, V) tensor saved, fp32."""
+    from megaformer.parallel import LOCAL
+
+    vocab, n = 300, 48
+    logits = (torch.randn(n, 320, generator=torch.Generator().manual_seed(5)) * 4).to(dtype).requires_grad_()
+    target = torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(6))
+    ref_logits = logits.detach()[:, :vocab].float().requires_grad_()
+    ref = F.cross_entropy(ref_logits, target, label_smoothing=0.1, reduction="sum")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = vocab_parallel_cross_entropy(logits, target, LOCAL, vocab, 0.1)
+    assert loss.dtype == torch.float32
+    assert [t.dtype for t in saved if t.numel() >= n * vocab] == [torch.float32]
+    loss.sum().backward()
+    ref.backward()
+    assert abs(loss.sum().item() - ref.item()) <= 1e-5 * abs(ref.item())
+    assert logits.grad.dtype == dtype and bool((logits.grad[:, vocab:] == 0).all())
+    step = torch.finfo(dtype).eps  # the gradient is rounded once, to the logits' dtype
+    assert (logits.grad[:, :vocab].float() - ref_logits.grad).abs().max().item() <= step
+
+
 @pytest.mark.parametrize("dtype, spread", [(torch.float32, 60.0), (torch.float64, 600.0)])
 def test_loss_of_logits_whose_probabilities_underflow(dtype, spread):
     """Most of the vocabulary below the dtype's smallest normal probability: loss and gradient as F.cross_entropy's."""

@@ -33,8 +33,9 @@ from megaformer.parallel.groups import TPGroup
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     # The (tokens, V / p) logits are by far the largest tensors of the step, so every
     # full pass over them counts: the padded columns (a suffix of the last ranks'
-    # slices) are left out through views instead of masked copies, and exp(z - m) is
-    # written once into the buffer that becomes the softmax and then the gradient.
+    # slices) are left out through views instead of masked copies, bf16/fp16 logits are
+    # read as they are (no fp32 copy of them), and exp(z - m) is written once, in fp32,
+    # into the buffer that becomes the softmax and then the gradient.
 
     @staticmethod
     def forward(saved, logits, target, tp: TPGroup, vocab_size: int, smoothing: float, ignore_index: int):
@@ -42,22 +43,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp.rank * local
         real_cols = max(0, min(local, vocab_size - start))  # this rank's real vocabulary rows, a prefix
         saved.dtype = logits.dtype
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16/fp16 up, fp64 kept
-        z = logits[:, :real_cols]  # (N, real_cols) view
+        compute = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 computed in fp32, fp64 kept
+        z = logits[:, :real_cols]  # (N, real_cols) view, in the logits' own dtype: no fp32 copy of them
 
         if real_cols > 0:
-            m = z.amax(dim=-1)  # (N,)
+            m = z.amax(dim=-1).to(compute)  # (N,); a max is exact in any dtype
         else:
-            m = logits.new_full(logits.shape[:1], float("-inf"))
+            m = torch.full(logits.shape[:1], float("-inf"), dtype=compute, device=logits.device)
         if tp.size > 1:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp.group)
 
         in_range = (target >= start) & (target < start + local)
         local_t = (target - start).masked_fill(~in_range, 0)
-        z_t = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
-        sum_z = z.sum(-1) if smoothing > 0 else torch.zeros_like(m)  # of the raw logits; m is subtracted below
-        floor = math.log(torch.finfo(logits.dtype).tiny) + 1.0  # exp(floor) is a normal number: the fast path
-        exp = torch.sub(logits, m.unsqueeze(-1)).clamp_min_(floor).exp_()  # (N, V/p): the softmax, then the gradient
+        z_t = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).to(compute).masked_fill(~in_range, 0.0)
+        # Of the raw logits, accumulated in the compute dtype; m is subtracted below.
+        sum_z = z.sum(-1, dtype=compute) if smoothing > 0 else torch.zeros_like(m)
+        floor = math.log(torch.finfo(compute).tiny) + 1.0  # exp(floor) is a normal number: the fast path
+        # (N, V/p) in the compute dtype, the only full-size copy: the softmax, then the gradient.
+        exp = torch.sub(logits, m.unsqueeze(-1)).clamp_min_(floor).exp_()
         exp[:, real_cols:] = 0.0  # padded rows never get probability
         stats = torch.stack([exp.sum(-1), z_t, sum_z])  # (3, N)
         if tp.size > 1:
