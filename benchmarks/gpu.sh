@@ -18,8 +18,12 @@
 # c. a CPU-written checkpoint resumed on CUDA (losses of steps 31-60 against the CPU's own
 #    continuation, CROSS_TOL 2 %: TF32 vs fp32 matmuls), and translate/evaluate on CUDA
 #    against the CPU (the same hypotheses for >= 95 % of the sentences, BLEU within 1).
-# d. transformer_big (bf16, ZeRO-1) through the Trainer on one GPU: the layout, tokens/s and
-#    MFU against the dense bf16 peak (H200: 989 TFLOP/s) as the Trainer logs them.
+# d. transformer_base and transformer_big (bf16, ZeRO-1, compiled layers; COMPILE=false for
+#    eager) on a WMT'14-shaped corpus (200,000 pairs, ~27 pieces a side, 37,000 pieces) through
+#    the Trainer on one GPU, one line each: the layout, steady target tokens/s and MFU against
+#    the dense bf16 peak (H200: 989 TFLOP/s) as the Trainer logs them, the model alone
+#    (benchmarks/gpu_throughput.py, same micro-batch) and the Trainer's share of it, and from a
+#    3-step profile (train.profile_from) the GPU's busy share and the top 10 kernels.
 #
 # Exit status: 0 when every check passes. WORK=DIR keeps the runs (default: a temporary folder).
 set -uo pipefail
@@ -39,13 +43,17 @@ SUMMARY=()
 FAILED=0
 
 if [ "$DRY" = 1 ]; then
-    STEPS=20 SAVE=10 KILL_AT=12 TP_STEPS=5 CPU_STEPS=12 CPU_SAVE=6 BIG_STEPS=2 TEST_LINES=20
+    STEPS=20 SAVE=10 KILL_AT=12 TP_STEPS=5 CPU_STEPS=12 CPU_SAVE=6 BIG_STEPS=8 TEST_LINES=20
+    WMT_PAIRS=3000 WMT_VOCAB=4000 PROFILE_FROM=3 COMPILE=false
     BIG_SIZE=(--set model.encoder_layers=1 --set model.decoder_layers=1 --set train.tokens_per_step=1024
-        --set data.max_tokens=512 --set train.log_interval=1)
+        --set data.max_tokens=512 --set data.num_workers=1 --set train.log_interval=1)
+    ALONE=(--set model.encoder_layers=1 --set model.decoder_layers=1 --steps 2 --warmup 1)
     SMALL=(--set train.tokens_per_step=256 --set data.max_tokens=256)  # tiny's steps, 8x smaller
 else
-    STEPS=200 SAVE=100 KILL_AT=120 TP_STEPS=50 CPU_STEPS=60 CPU_SAVE=30 BIG_STEPS=30 TEST_LINES=0
-    BIG_SIZE=(--set train.log_interval=10)
+    STEPS=200 SAVE=100 KILL_AT=120 TP_STEPS=50 CPU_STEPS=60 CPU_SAVE=30 BIG_STEPS=40 TEST_LINES=0
+    WMT_PAIRS=200000 WMT_VOCAB=37000 PROFILE_FROM=20 COMPILE=${COMPILE:-true}
+    BIG_SIZE=(--set train.log_interval=5)
+    ALONE=(--steps 10 --warmup 5)
     SMALL=()
 fi
 if [ "$DEVICE" = cpu ]; then
@@ -201,27 +209,52 @@ else
     result FAIL "c translate/evaluate on $DEVICE: exit $t/$e/$e_cpu ${line:-}"
 fi
 
-# ---- d. transformer_big bf16 through the Trainer ------------------------------------------------
-mf train --config configs/transformer_big.yaml --set "data.path=$DATA" --set parallel.tp=1 \
-    --set "parallel.backend=$BACKEND" --set train.precision=bf16 --set train.zero_stage=1 \
-    --set "train.max_steps=$BIG_STEPS" --set train.save_interval=0 --set train.save_minutes=0 \
-    --set train.eval_interval=0 "${BIG_SIZE[@]}" --run-dir "$WORK/d-big" --resume none >"$WORK/d-big.log" 2>&1
-code=$?
-layout=$(grep -o 'train: [0-9.]*M parameters, tp=[^,]*, [0-9]* micro-batches of <= [0-9]* tokens' "$WORK/d-big.log" | head -1)
-if [ "$code" = 0 ] && line=$("$PY" -c "
+# ---- d. base and big on a WMT'14-shaped corpus: the Trainer against the model alone, and a profile --
+WMT=$WORK/wmt14
+[ -f "$WMT/manifest.json" ] ||
+    mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1
+for model in base big; do
+    run=$WORK/d-$model
+    mf train --config "configs/transformer_$model.yaml" --set "data.path=$WMT" --set parallel.tp=1 \
+        --set "parallel.backend=$BACKEND" --set train.precision=bf16 --set train.zero_stage=1 \
+        --set "train.max_steps=$BIG_STEPS" --set train.save_interval=0 --set train.save_minutes=0 \
+        --set train.eval_interval=0 --set "train.compile=$COMPILE" --set "train.profile_from=$PROFILE_FROM" \
+        --set train.profile_steps=3 "${BIG_SIZE[@]}" --run-dir "$run" --resume none >"$run.log" 2>&1
+    code=$?
+    layout=$(grep -o 'train: [0-9.]*M parameters, tp=[^,]*, [0-9]* micro-batches of <= [0-9]* tokens' "$run.log" | head -1)
+    micro=$(grep -o 'micro-batches of <= [0-9]* tokens' <<<"$layout" | grep -o '[0-9]*')
+    compiled=()
+    [ "$COMPILE" = true ] && compiled=(--compile)
+    alone=$("$PY" benchmarks/gpu_throughput.py --config "configs/transformer_$model.yaml" --device "$DEVICE" \
+        --tokens "${micro:-25000}" --len 27 "${ALONE[@]}" "${compiled[@]}" --json 2>>"$run.log" | tail -1)
+    if [ "$code" = 0 ] && line=$("$PY" - "$run" "$PROFILE_FROM" "$alone" <<'EOF'
 import json, sys
-r = [json.loads(l) for l in open(sys.argv[1] + '/metrics.jsonl') if '\"train\"' in l][-1]
-print(f'{r[\"tokens_per_s\"]:,.0f} target tokens/s, MFU {100 * r[\"mfu\"]:.1f} % (steps to {r[\"step\"]})')
-" "$WORK/d-big"); then
-    peak=$("$PY" -c "
-import torch
-from megaformer.train.metrics import gpu_peak_tflops
-print(f'{gpu_peak_tflops(torch.cuda.get_device_name(), \"bf16\"):g} TFLOP/s dense bf16 peak' if torch.cuda.is_available() else 'a CPU matmul measured by the Trainer')
-")
-    result PASS "d transformer_big bf16 on $DEVICE (${layout#train: }): $line against $peak"
-else
-    result FAIL "d transformer_big bf16: train exited $code (see $WORK/d-big.log)"
-fi
+run, profiled, alone = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+records = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"train"' in l]
+steady = [r for r in records if r["step"] > profiled + 3] or records[-1:]  # after compiling and the profile
+rate = sum(r["tokens_per_s"] for r in steady) / len(steady)
+mfu = sum(r["mfu"] for r in steady) / len(steady)
+out = f"Trainer {rate:,.0f} target tokens/s, MFU {100 * mfu:.1f} % (steps {steady[0]['step']}-{steady[-1]['step']})"
+try:
+    a = json.loads(alone)
+    out += f"; model alone {a['tokens_per_s']:,.0f} ({rate / a['tokens_per_s']:.2f}x)"
+except ValueError:
+    out += "; model alone: no result"
+try:
+    p = json.load(open(f"{run}/profile/summary-rank0.json"))
+    busy = "n/a on a CPU" if p["busy"] is None else f"{100 * p['busy']:.1f} %"
+    top = ", ".join(f"{name[:40]} {ms:.1f}" for name, ms in p["top"])
+    out += f"; busy {busy} of {p['wall_ms']:.0f} ms a step; top (ms a step): {top}"
+except (OSError, ValueError):
+    out += "; no profile"
+print(out)
+EOF
+    ); then
+        result PASS "d $model bf16 on $DEVICE (${layout#train: }): $line"
+    else
+        result FAIL "d $model bf16: train exited $code (see $run.log) ${line:-}"
+    fi
+done
 
 echo
 echo "summary ($((SECONDS - BEGAN)) s, runs in $WORK):"

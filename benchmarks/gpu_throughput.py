@@ -6,7 +6,9 @@ autocast (fp32 master weights, as DeepSpeed's bf16 keeps them) or fp32, and prin
 target tokens/s and MFU = 6 x parameters x tokens/s / peak. The peak is the device's
 dense bf16 tensor-core figure from megaformer.train.metrics (or --peak-tflops).
 Attention-score FLOPs are not counted (they are ~2 % at these lengths), so MFU is a
-slight under-estimate. Runs on a CPU too (--device cpu, small --tokens) to check the script.
+slight under-estimate. ``--compile`` compiles each layer as ``train.compile=true`` does
+(the warm-up steps compile them). Runs on a CPU too (--device cpu, small --tokens) to
+check the script.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=0.0)
+    p.add_argument("--compile", action="store_true", help="compile each layer, as train.compile=true does")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
@@ -48,6 +51,8 @@ def main() -> int:
     device = torch.device(args.device)
     configure_math(device, args.dtype)  # TF32 for fp32 on a GPU, as in training
     model = Transformer(cfg.model, cfg.data.vocab_size, LOCAL, DropoutRNG(1, LOCAL), seed=1).to(device)
+    if args.compile:
+        model.compile_layers()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type == "cuda")
     batch = max(1, args.tokens // args.len)
     g = torch.Generator().manual_seed(0)
@@ -82,6 +87,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "config": args.config,
         "dtype": args.dtype,
+        "compiled": args.compile,
         "parameters": params,
         "batch_sentences": batch,
         "target_tokens_per_step": batch * args.len,

@@ -109,6 +109,10 @@ class TrainConfig:
     # true | false | auto (compiled where the measured gain repays the compile time within
     # train.max_minutes: megaformer.train.budget.compile_choice; the log says which and why).
     compile: str = "false"
+    # Profile steps profile_from .. profile_from + profile_steps - 1 with torch.profiler (0 = off):
+    # RUN_DIR/profile/trace-rank*.json, and a line with the GPU's busy share and the top kernels.
+    profile_from: int = 0
+    profile_steps: int = 5
 
 
 @dataclass
@@ -303,6 +307,8 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("train", "fp16_hysteresis"): (1, _INF, False, False),
     ("train", "zero_bucket_size"): (1, _INF, False, False),
     ("train", "peak_tflops"): (0.0, _INF, False, False),  # 0 = known table or measured
+    ("train", "profile_from"): (0, _INF, False, False),  # 0 = no profile
+    ("train", "profile_steps"): (1, 1000, False, False),  # a trace of every op: keep it short
     ("decode", "beam"): (1, _INF, False, False),
     ("decode", "lenpen"): (0.0, _INF, False, False),
     # a * source length + b in an int64; the output is capped at model.max_positions - 1 anyway

@@ -153,7 +153,7 @@ def test_bubble_is_the_1f1b_formula(p, m):
 
 def test_pipeline_bubble_and_in_flight_micro_batches():
     # 25000 tokens in micro-batches of 4096 at dp=1: 6 micro-batches per step.
-    _, pipe = _pipeline("transformer_big", "parallel.pp=4", "parallel.tp=1")
+    _, pipe = _pipeline("transformer_big", "parallel.pp=4", "parallel.tp=1", "data.max_tokens=4096")
     assert pipe["micro_batches_per_step"] == 6
     assert pipe["bubble_fraction"] == pytest.approx(3 / 9)
     assert [s["micro_batches_in_flight"] for s in pipe["stages"]] == [4, 3, 2, 1]

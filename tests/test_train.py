@@ -34,9 +34,10 @@ def tp2_run(corpus, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dp2_run(corpus, tmp_path_factory) -> Path:
-    """DP=2 with ZeRO-2, 30 steps."""
+    """DP=2 with ZeRO-2, 30 steps; steps 5-6 profiled (which must not change them: resumes compare with it)."""
     run = tmp_path_factory.mktemp("dp2") / "run"
-    ok(train(run, 2, common(corpus) + ["train.zero_stage=2", "train.max_steps=30"]))
+    profile = ["train.profile_from=5", "train.profile_steps=2"]
+    ok(train(run, 2, common(corpus) + ["train.zero_stage=2", "train.max_steps=30"] + profile))
     return run
 
 
@@ -52,6 +53,11 @@ def test_tp2_trains_with_falling_loss(tp2_run):
 
 def test_dp2_zero2_trains_with_falling_loss(dp2_run):
     assert falling(losses(dp2_run))
+    for rank in (0, 1):  # train.profile_from=5: each rank's trace and summary of steps 5-6
+        summary = json.loads((dp2_run / "profile" / f"summary-rank{rank}.json").read_text())
+        assert (summary["first_step"], summary["steps"], summary["busy"]) == (5, 2, None)
+        assert len(summary["top"]) == 10 and summary["wall_ms"] > 0
+        assert json.loads((dp2_run / "profile" / f"trace-rank{rank}.json").read_text())["traceEvents"]
 
 
 def test_tp2_dp2_trains_with_falling_loss(corpus, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from megaformer.checkpoint.files import safe_torch_load
 from megaformer.checkpoint.format import TENSOR_KEYS, check_complete, model_file_name, model_files, rank_file_name
 from megaformer.config import from_dict
 from megaformer.errors import CheckpointError
+from megaformer.files import sha256_of
 
 # ---- model shards -------------------------------------------------------------------------------
 
@@ -115,3 +117,26 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
         if name in meta["files"]:
             rank = read_shard(step_dir, meta, name)
     return LoadedCheckpoint(meta, shard, rank)
+
+
+def check_same_tokenizer(step_dir: Path, meta: dict, manifest: dict, allowed: bool, log: Callable[[str], None]) -> None:
+    """A resume on data made with another tokenizer or vocabulary is refused (unless ``allowed``, said in a line).
+
+    The ids of the new data would mean other pieces to the model; a different vocabulary
+    size cannot be loaded at all.
+    """
+    tok = manifest["tokenizer"]
+    if meta.get("vocab_size") != tok["vocab_size"]:
+        raise CheckpointError(
+            f"{step_dir}: trained with a vocabulary of {meta.get('vocab_size')} pieces, the data has "
+            f"{tok['vocab_size']}: resume on data prepared with the checkpoint's tokenizer ({step_dir}/tokenizer.model)"
+        )
+    saved = step_dir / "tokenizer.model"
+    if not saved.is_file() or sha256_of(saved) == tok["sha256"]:
+        return
+    if not allowed:
+        raise CheckpointError(
+            f"{step_dir}: trained with another tokenizer than the data's ({saved} differs from the one in data.path): "
+            f"prepare the data with --spm {saved}, or pass --other-tokenizer to resume anyway"
+        )
+    log(f"train: --other-tokenizer: resuming {step_dir} on data made with another tokenizer of the same size")

@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from megaformer import checkpoint as ckpt
-from megaformer.checkpoint import sha256_of
 from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.batching import plan_step
 from megaformer.data.shards import manifest_path, read_manifest
@@ -46,6 +45,7 @@ from megaformer.train.device import configure_math, cpu_bf16_missing, host_memor
 from megaformer.train.engine import Engine, build_engine, cooldown_of
 from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
+from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
@@ -68,7 +68,7 @@ class Trainer:
         self.start_dir = self._resume_point(resume)
         saved = ckpt.check_complete(self.start_dir) if self.start_dir else None
         if saved:
-            _check_same_tokenizer(self.start_dir, saved, manifest, other_tokenizer, self.log)
+            ckpt.check_same_tokenizer(self.start_dir, saved, manifest, other_tokenizer, self.log)
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
@@ -304,6 +304,9 @@ class Trainer:
         self._last_save = time.monotonic()
         self._validated = -1  # the last step validated
         window = Window()
+        profiler = StepProfiler(
+            t.profile_from, t.profile_steps, self.run_dir / "profile", self.ctx.rank, self.ctx.device, self.log
+        )
         try:
             while nothing_left is None and self.engine.global_steps < t.max_steps and not self._cooled():
                 time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
@@ -313,7 +316,8 @@ class Trainer:
                 save_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
                 began = time.perf_counter()
                 flags = StepFlags(watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due, cool)
-                loss_sum, tokens, world = self.step(flags)
+                with profiler.step(self.engine.global_steps + 1):
+                    loss_sum, tokens, world = self.step(flags)
                 usr1, term, up, due, cool = world.usr1, world.term, world.time_up, world.save_due, world.cooldown
                 seconds = time.perf_counter() - began
                 self.train_seconds += seconds
@@ -473,26 +477,3 @@ class Trainer:
         if improved:
             self.best_bleu = result["bleu"]
         return improved
-
-
-def _check_same_tokenizer(step_dir: Path, meta: dict, manifest: dict, allowed: bool, log) -> None:
-    """A resume on data made with another tokenizer or vocabulary is refused (unless ``allowed``, said in a line).
-
-    The ids of the new data would mean other pieces to the model; a different vocabulary
-    size cannot be loaded at all.
-    """
-    tok = manifest["tokenizer"]
-    if meta.get("vocab_size") != tok["vocab_size"]:
-        raise CheckpointError(
-            f"{step_dir}: trained with a vocabulary of {meta.get('vocab_size')} pieces, the data has "
-            f"{tok['vocab_size']}: resume on data prepared with the checkpoint's tokenizer ({step_dir}/tokenizer.model)"
-        )
-    saved = step_dir / "tokenizer.model"
-    if not saved.is_file() or sha256_of(saved) == tok["sha256"]:
-        return
-    if not allowed:
-        raise CheckpointError(
-            f"{step_dir}: trained with another tokenizer than the data's ({saved} differs from the one in data.path): "
-            f"prepare the data with --spm {saved}, or pass --other-tokenizer to resume anyway"
-        )
-    log(f"train: --other-tokenizer: resuming {step_dir} on data made with another tokenizer of the same size")
