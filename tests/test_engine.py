@@ -114,6 +114,16 @@ def _double(a, b):
     )
 
 
+def _checked_norm(engine, model, note_grad_norm):
+    def checked() -> None:
+        grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
+        expected = torch.sqrt(sum(g.pow(2).sum() for g in grads)).item()
+        note_grad_norm()
+        assert expected > 0 and abs(engine.grad_norm() - expected) <= 1e-6 * expected, (engine.grad_norm(), expected)
+
+    return checked
+
+
 def _accumulation_worker(zero_stage: int) -> int:
     from megaformer.model import Transformer
     from megaformer.parallel import DropoutRNG, ParallelContext
@@ -142,6 +152,8 @@ def _accumulation_worker(zero_stage: int) -> int:
     for accumulation, batches in ((2, micro), (1, [_double(*micro)])):
         model = Transformer(cfg.model, cfg.data.vocab_size, ctx.tp, DropoutRNG(1, ctx.tp), seed=7)
         engine = build_engine(cfg, ctx, model, accumulation)
+        if zero_stage == 0:  # the engine computes the norm itself: check it against one in fp64 over every gradient
+            engine.note_grad_norm = _checked_norm(engine, model, engine.note_grad_norm)
         for _ in range(2):  # two optimizer steps, so Adam's moments matter too
             micro_batches = [MicroBatch(0, b) for b in batches]
             accumulate(engine, micro_batches, tokens, cfg.train.label_smoothing, lambda stream: nullcontext())

@@ -267,15 +267,16 @@ class Engine:
         """Without ZeRO or clipping DeepSpeed computes no norm: compute it (call after the last backward)."""
         if uses_zero(self) or self.ds.gradient_clipping() > 0:
             return
-        split = torch.zeros((), dtype=torch.float64, device=self.ctx.device)  # squares of TP-split tensors
-        replicated = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for p in self.module.parameters():
-            if p.grad is not None:
-                square = p.grad.detach().double().pow(2).sum()
-                if tp_dim(p) is not None:
-                    split += square
-                else:
-                    replicated += square
+        grads = [(p.grad.detach(), tp_dim(p) is not None) for p in self.module.parameters() if p.grad is not None]
+
+        def square_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+            """The squared norm of ``tensors`` together, in fp64 (each tensor's norm by torch's foreach kernels)."""
+            if not tensors:
+                return torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+            return torch.nn.utils.get_total_norm(tensors, 2.0).double().square()
+
+        split = square_norm([g for g, is_split in grads if is_split])  # squares of TP-split tensors
+        replicated = square_norm([g for g, is_split in grads if not is_split])
         if self.ctx.tp.size > 1:  # shards add up over the TP group; replicated tensors count once
             dist.all_reduce(split, group=self.ctx.tp.group)
         total = split + replicated
