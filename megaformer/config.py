@@ -46,6 +46,11 @@ class ParallelConfig:
     sequence_parallel: bool = False  # split LayerNorm / dropout regions along the sequence
     dropout_rng: str = "exact"  # "exact": masks independent of tp; "fast": per-rank masks on split tensors
     vocab_multiple: int = 128  # vocabulary padded to a multiple of lcm(this, tp * 8)
+    # Each training and validation batch's source and target lengths padded to a multiple of this (1 = as
+    # long as its longest sentence). Dropout masks are drawn at the padded shape, so runs that must match
+    # (another TP size, sequence parallelism, a resume) need the same value; sequence parallelism at tp=N
+    # pads to a multiple of N and needs this a multiple of N with dropout_rng: exact.
+    pad_to_multiple: int = 1
     backend: str = "auto"  # "auto" = nccl with CUDA, gloo otherwise
     device: str = "auto"  # "auto": a GPU with nccl, the CPU with gloo; "cuda" (also with gloo) or "cpu"
     timeout_minutes: float = 10.0  # a collective waiting longer fails (a lost rank ends the job instead of a hang)
@@ -273,6 +278,7 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
     ("parallel", "dp"): (0, _INF, False, False),  # 0 = world size / (tp x pp)
     ("parallel", "pp"): (1, _INF, False, False),
     ("parallel", "vocab_multiple"): (1, _INF, False, False),
+    ("parallel", "pad_to_multiple"): (1, 4096, False, False),
     # > 0: a collective may wait this long; at most a week (Python's timedelta ends at 1.4e12 minutes)
     ("parallel", "timeout_minutes"): (0, 7 * 24 * 60, True, False),
     ("data", "vocab_size"): (4, _INF, False, False),  # pad, unk, bos, eos
@@ -349,6 +355,18 @@ def validate(cfg: Config) -> None:
             _check_range(f"{section.name}.{f.name}", value, bounds)
     _check_shapes(cfg)
     _check_pipeline(cfg)
+    _check_sequence_padding(cfg.parallel)
+
+
+def _check_sequence_padding(p: ParallelConfig) -> None:
+    """Sequence parallelism pads lengths to a multiple of tp; exact masks need every layout to pad alike."""
+    if p.sequence_parallel and p.tp > 1 and p.dropout_rng == "exact" and p.pad_to_multiple % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel at tp={p.tp} pads each batch's lengths to a multiple of {p.tp}, and the "
+            f"dropout masks drawn at that shape would not be those of other layouts: set parallel.pad_to_multiple "
+            f"to a multiple of {p.tp} (now {p.pad_to_multiple}; 8 suits GPUs), the same in every run that should "
+            f"match this one, or parallel.dropout_rng=fast"
+        )
 
 
 MAX_WEIGHT = 2**40  # values in one weight: GPT-3's largest holds 6e8; past 2^63 bytes torch cannot even count them

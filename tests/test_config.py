@@ -94,3 +94,19 @@ def test_round_trip(tmp_path):
     again = load_config(tmp_path / "config.yaml")
     assert to_dict(again) == to_dict(cfg)
     assert to_dict(from_dict(to_dict(cfg))) == to_dict(cfg)
+
+
+def test_sequence_parallel_needs_lengths_padded_alike_at_every_layout():
+    """SP pads lengths to a multiple of tp; with exact masks every layout must pad the same way (or be refused)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny.yaml", ["parallel.tp=2", "parallel.sequence_parallel=true"])
+    assert "parallel.pad_to_multiple" in str(err.value) and "tp=2" in str(err.value)
+    with pytest.raises(ConfigError, match="now 2"):
+        load_config(
+            CONFIGS / "tiny.yaml", ["parallel.tp=4", "parallel.sequence_parallel=true", "parallel.pad_to_multiple=2"]
+        )
+    for ok in (["parallel.pad_to_multiple=8"], ["parallel.dropout_rng=fast"]):
+        cfg = load_config(CONFIGS / "tiny.yaml", ["parallel.tp=4", "parallel.sequence_parallel=true", *ok])
+        assert cfg.parallel.sequence_parallel
+    with pytest.raises(ConfigError, match="parallel.pad_to_multiple"):
+        load_config(CONFIGS / "tiny.yaml", ["parallel.pad_to_multiple=0"])

@@ -19,18 +19,19 @@ from megaformer.parity import check_parity, random_batch
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 WIDE = ["model.d_model=384", "model.num_heads=12", "model.d_ff=768", "data.vocab_size=700"]  # 12 heads
+SP = ["parallel.sequence_parallel=true", "parallel.pad_to_multiple=4"]  # the batches' lengths are multiples of 4
 
 VARIANTS = {
     "tiny": [],
-    "tiny-sp": ["parallel.sequence_parallel=true"],
+    "tiny-sp": SP,
     "tiny-pre-ln-all-dropouts-sp": [
         "model.norm=pre",
         "model.attention_dropout=0.1",
         "model.activation_dropout=0.2",
-        "parallel.sequence_parallel=true",
+        *SP,
     ],
     "12-heads": WIDE,
-    "12-heads-sp": WIDE + ["parallel.sequence_parallel=true"],
+    "12-heads-sp": WIDE + SP,
 }
 
 

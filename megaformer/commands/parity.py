@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "parallel.dp=0"]
-    if args.sequence_parallel:
-        overrides.append("parallel.sequence_parallel=true")
+    if args.sequence_parallel:  # the parity batch's lengths are multiples of tp (checked): nothing is padded
+        overrides = [f"parallel.pad_to_multiple={args.tp}", *overrides, "parallel.sequence_parallel=true"]
     cfg = load_config(args.config, overrides)
     settings = ParitySettings(
         batch=args.batch,

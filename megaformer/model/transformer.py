@@ -70,6 +70,7 @@ class Transformer(nn.Module):
         seed: int = 1,
         sequence_parallel: bool = False,
         vocab_multiple: int = 128,
+        pad_to_multiple: int = 1,
         pad_id: int = PAD_ID,
         part: StagePart | None = None,
     ) -> None:
@@ -81,6 +82,9 @@ class Transformer(nn.Module):
         self.vocab_size = vocab_size
         self.pad_id = pad_id
         self.sequence_parallel = sequence_parallel and tp.size > 1
+        # Training lengths are padded to a multiple of this (parallel.pad_to_multiple; under sequence
+        # parallelism also of tp, so that every TP rank holds an equal part of each sequence).
+        self.length_multiple = math.lcm(pad_to_multiple, tp.size if self.sequence_parallel else 1)
         self.part = part = part or StagePart.whole(cfg)
         sp = self.sequence_parallel
         if part.embedding:
@@ -213,10 +217,10 @@ class Transformer(nn.Module):
         waits for the GPU, so that is left to callers that need it (the trainer counts the
         tokens of a batch on the host when it collates it).
         """
-        if self.sequence_parallel:  # every rank holds an equal part of each sequence
-            src = pad_to_multiple(src, self.tp.size, self.pad_id)
-            tgt_in = pad_to_multiple(tgt_in, self.tp.size, self.pad_id)
-            tgt_out = pad_to_multiple(tgt_out, self.tp.size, self.pad_id)
+        if self.length_multiple > 1:
+            src = pad_to_multiple(src, self.length_multiple, self.pad_id)
+            tgt_in = pad_to_multiple(tgt_in, self.length_multiple, self.pad_id)
+            tgt_out = pad_to_multiple(tgt_out, self.length_multiple, self.pad_id)
         logits = self(src, tgt_in)
         per_token = vocab_parallel_cross_entropy(
             logits.flatten(0, 1), tgt_out.flatten(), self.tp, self.vocab_size, label_smoothing, self.pad_id

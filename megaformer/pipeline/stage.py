@@ -33,8 +33,10 @@ class StageBatch:
 
     @classmethod
     def of(cls, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, model: Transformer) -> StageBatch:
-        if model.sequence_parallel:  # every TP rank holds an equal part of each sequence
-            src, tgt_in, tgt_out = (pad_to_multiple(t, model.tp.size, model.pad_id) for t in (src, tgt_in, tgt_out))
+        if model.length_multiple > 1:  # parallel.pad_to_multiple, and tp under sequence parallelism
+            src, tgt_in, tgt_out = (
+                pad_to_multiple(t, model.length_multiple, model.pad_id) for t in (src, tgt_in, tgt_out)
+            )
         return cls(src, tgt_in, tgt_out)
 
 

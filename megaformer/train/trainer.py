@@ -118,6 +118,7 @@ class Trainer:
             seed=t.seed,
             sequence_parallel=cfg.parallel.sequence_parallel,
             vocab_multiple=cfg.parallel.vocab_multiple,
+            pad_to_multiple=cfg.parallel.pad_to_multiple,
             pad_id=PAD_ID,
             part=self.stages[ctx.pp_rank],
         ).to(ctx.device)
