@@ -162,27 +162,22 @@ def test_a_compiled_model_decodes_eagerly_as_before():
 # ---- end to end -------------------------------------------------------------------------------
 
 
-# Sequence parallelism pads lengths to a multiple of tp; the eager reference pads alike (the same dropout masks).
-PADDED = ["parallel.pad_to_multiple=2"]
-COMPILED_TP2_SP = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true", *PADDED]
-
-
 @pytest.fixture(scope="module")
 def compiled_tp2_run(corpus, tmp_path_factory) -> Path:
-    """TP=2 with sequence parallelism and train.compile, 20 steps, dropout on, checkpoints every 10 steps."""
+    """TP=2 with train.compile, 20 steps, dropout on, checkpoints every 10 steps."""
     run = tmp_path_factory.mktemp("compiled_tp2") / "run"
-    ok(train(run, 2, common(corpus) + COMPILED_TP2_SP + ["train.max_steps=20"]))
+    ok(train(run, 2, common(corpus) + ["parallel.tp=2", "train.max_steps=20", "train.compile=true"]))
     return run
 
 
 def test_compiled_tp2_follows_the_eager_unsharded_run(corpus, compiled_tp2_run, tmp_path):
-    """Compiled, sharded and sequence-parallel at once against the eager TP=1 run: the reference shares none.
+    """Compiled and sharded at once against the eager TP=1 run: the reference shares neither.
 
     (A compiled TP=1 run between the two, compared with each, added ~45 s of compiling on
     2 AVX2 cores and nothing this comparison does not already catch.)
     """
     eager = tmp_path / "eager"
-    ok(train(eager, 1, common(corpus) + PADDED + ["train.max_steps=10", "train.save_interval=0"]))
+    ok(train(eager, 1, common(corpus) + ["train.max_steps=10", "train.save_interval=0"]))
     two, reference = losses(compiled_tp2_run), losses(eager)
     for step in range(1, 11):
         assert abs(two[step]["loss"] - reference[step]["loss"]) <= 1e-4 * reference[step]["loss"], step
@@ -190,7 +185,7 @@ def test_compiled_tp2_follows_the_eager_unsharded_run(corpus, compiled_tp2_run, 
 
 def test_compiled_run_killed_and_resumed_is_exact(corpus, compiled_tp2_run, tmp_path):
     run = tmp_path / "run"
-    sets = common(corpus) + COMPILED_TP2_SP + ["train.max_steps=20"]
+    sets = common(corpus) + ["parallel.tp=2", "train.max_steps=20", "train.compile=true"]
     first = train(run, 2, sets, fault="kill:rank=1:step=13")
     assert first.returncode != 0
     second = train(run, 2, sets)
