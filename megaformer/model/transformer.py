@@ -204,6 +204,10 @@ class Transformer(nn.Module):
         memory, mask = self.encode(src)
         return self.logits(self.decode(tgt_in, memory, mask))
 
+    def pad_lengths(self, *ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``ids`` with their lengths padded to :attr:`length_multiple`, as training and validation feed them."""
+        return tuple(pad_to_multiple(t, self.length_multiple, self.pad_id) for t in ids)
+
     def loss(
         self,
         src: torch.Tensor,
@@ -217,10 +221,7 @@ class Transformer(nn.Module):
         waits for the GPU, so that is left to callers that need it (the trainer counts the
         tokens of a batch on the host when it collates it).
         """
-        if self.length_multiple > 1:
-            src = pad_to_multiple(src, self.length_multiple, self.pad_id)
-            tgt_in = pad_to_multiple(tgt_in, self.length_multiple, self.pad_id)
-            tgt_out = pad_to_multiple(tgt_out, self.length_multiple, self.pad_id)
+        src, tgt_in, tgt_out = self.pad_lengths(src, tgt_in, tgt_out)
         logits = self(src, tgt_in)
         per_token = vocab_parallel_cross_entropy(
             logits.flatten(0, 1), tgt_out.flatten(), self.tp, self.vocab_size, label_smoothing, self.pad_id

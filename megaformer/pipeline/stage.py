@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from megaformer.model import Transformer
-from megaformer.model.transformer import pad_to_multiple
 from megaformer.parallel import vocab_parallel_cross_entropy
 from megaformer.parallel.stages import StagePart
 
@@ -33,11 +32,7 @@ class StageBatch:
 
     @classmethod
     def of(cls, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, model: Transformer) -> StageBatch:
-        if model.length_multiple > 1:  # parallel.pad_to_multiple, and tp under sequence parallelism
-            src, tgt_in, tgt_out = (
-                pad_to_multiple(t, model.length_multiple, model.pad_id) for t in (src, tgt_in, tgt_out)
-            )
-        return cls(src, tgt_in, tgt_out)
+        return cls(*model.pad_lengths(src, tgt_in, tgt_out))
 
 
 def input_shapes(part: StagePart, batch: StageBatch, model: Transformer) -> list[tuple[int, ...]]:
