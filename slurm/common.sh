@@ -76,7 +76,8 @@ warn() {
     fi
 }
 trap warn USR1
-trap 'forward TERM' TERM
+TERMED=0
+trap 'TERMED=1; forward TERM' TERM
 
 # `wait` returns early when a trapped signal arrives: keep waiting until srun is gone.
 status=0
@@ -94,8 +95,13 @@ requeued() {
 # A requeued job (by the trainer on USR1, or by an operator) is ended by SLURM itself. Exiting first, with the status of the tasks
 # the requeue terminated, races with the requeue: SLURM may record that exit as the job's end
 # (FAILED) instead of starting it again. So wait, a bounded time, for SLURM to stop this attempt.
+# SLURM ends the attempt with TERM, and with KILL KillWait seconds later (30 by default) if the
+# batch shell is still there: leave at the TERM (it may have come while srun was ending), so that
+# the requeued job's nodes are free, and it can start again, KillWait sooner.
 if requeued; then
     echo "megaformer: job ${SLURM_JOB_ID} requeued; waiting for SLURM to end this attempt"
-    for _ in $(seq 60); do sleep 5; done
+    trap 'exit "$status"' TERM
+    [ "$TERMED" = 0 ] || exit "$status"
+    for _ in $(seq 300); do sleep 1; done
 fi
 exit "$status"
