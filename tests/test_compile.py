@@ -2,14 +2,15 @@
 
 In process: a compiled model against an eager copy of itself (loss, every gradient, the
 dropout streams), with and without activation checkpointing, over batches of two
-lengths (one dynamic-shape compilation). End to end: a compiled run at TP=2 follows the
-eager run at TP=1, resumes exactly after a kill, and its
-checkpoint decodes; a compiled pipeline (pp=2) follows the eager one.
+lengths (one dynamic-shape compilation). End to end: a compiled run at TP=2, killed and
+resumed, follows the eager run at TP=1 and repeats the killed attempt's steps exactly, and
+its checkpoint decodes; a compiled pipeline (pp=2) follows the eager run too.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -160,56 +161,79 @@ def test_a_compiled_model_decodes_eagerly_as_before():
 
 
 # ---- end to end -------------------------------------------------------------------------------
+# Each compiled launch traces its layers again (~25 CPU seconds on 2 cores with a warm kernel
+# cache, minutes with a cold one), so the runs below are shared: one eager reference and one
+# compiled TP=2 run that is killed and resumed.
+
+
+def _records(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
 
 
 @pytest.fixture(scope="module")
-def compiled_tp2_run(corpus, tmp_path_factory) -> Path:
-    """TP=2 with train.compile, 20 steps, dropout on, checkpoints every 10 steps."""
-    run = tmp_path_factory.mktemp("compiled_tp2") / "run"
-    ok(train(run, 2, common(corpus) + ["parallel.tp=2", "train.max_steps=20", "train.compile=true"]))
+def eager_run(corpus, tmp_path_factory) -> Path:
+    """The eager TP=1 run, 20 steps: the reference the compiled runs share neither compiler nor sharding with."""
+    run = tmp_path_factory.mktemp("eager") / "run"
+    ok(train(run, 1, common(corpus) + ["train.max_steps=20", "train.save_interval=0"]))
     return run
 
 
-def test_compiled_tp2_follows_the_eager_unsharded_run(corpus, compiled_tp2_run, tmp_path):
-    """Compiled and sharded at once against the eager TP=1 run: the reference shares neither.
+@pytest.fixture(scope="module")
+def compiled_tp2_run(corpus, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """TP=2 with train.compile, dropout on, checkpoints every 10 steps: rank 1 SIGKILLed after step
+    13, then the run resumed to step 20. Returns the run and the records of the killed attempt."""
+    run = tmp_path_factory.mktemp("compiled_tp2") / "run"
+    sets = common(corpus) + ["parallel.tp=2", "train.max_steps=20", "train.compile=true"]
+    first = train(run, 2, sets, fault="kill:rank=1:step=13")
+    assert first.returncode != 0, first.stdout[-3000:]
+    killed = _records(run)
+    second = train(run, 2, sets)
+    ok(second)
+    assert "resumed from" in second.stdout and "step-00000010" in second.stdout, second.stdout[-3000:]
+    return run, killed
+
+
+def test_compiled_tp2_follows_the_eager_unsharded_run(eager_run, compiled_tp2_run):
+    """Compiled and sharded at once, killed and resumed, against the eager TP=1 run: all 20 steps.
 
     (A compiled TP=1 run between the two, compared with each, added ~45 s of compiling on
     2 AVX2 cores and nothing this comparison does not already catch.)
     """
-    eager = tmp_path / "eager"
-    ok(train(eager, 1, common(corpus) + ["train.max_steps=10", "train.save_interval=0"]))
-    two, reference = losses(compiled_tp2_run), losses(eager)
-    for step in range(1, 11):
+    two, reference = losses(compiled_tp2_run[0]), losses(eager_run)
+    assert sorted(two) == list(range(1, 21))
+    for step in range(1, 21):
         assert abs(two[step]["loss"] - reference[step]["loss"]) <= 1e-4 * reference[step]["loss"], step
 
 
-def test_compiled_run_killed_and_resumed_is_exact(corpus, compiled_tp2_run, tmp_path):
-    run = tmp_path / "run"
-    sets = common(corpus) + ["parallel.tp=2", "train.max_steps=20", "train.compile=true"]
-    first = train(run, 2, sets, fault="kill:rank=1:step=13")
-    assert first.returncode != 0
-    second = train(run, 2, sets)
-    ok(second)
-    assert "step-00000010" in second.stdout
-    resumed, reference = losses(run), losses(compiled_tp2_run)
-    assert sorted(resumed) == list(range(1, 21))
-    for step in range(1, 21):
-        assert resumed[step]["loss"] == reference[step]["loss"], step
+def test_compiled_run_killed_and_resumed_is_exact(compiled_tp2_run):
+    """The steps the resumed run computed again (11 up to the kill) are bitwise the killed run's.
+
+    The resumed process traces its layers afresh (or loads them from the compile caches), restores
+    the weights, Adam's moments, the data position and the dropout streams from checkpoint 10:
+    any of them restored wrong, or a compiled graph that drew other masks, changes step 11.
+    """
+    run, killed = compiled_tp2_run
+    before = {r["step"]: r["loss"] for r in killed}
+    assert {11, 12} <= set(before) and max(before) <= 13, sorted(before)
+    replayed = [r for r in _records(run)[len(killed) :] if r["step"] in before]
+    assert [r["step"] for r in replayed] == [s for s in sorted(before) if s > 10]
+    for r in replayed:
+        assert r["loss"] == before[r["step"]], r["step"]
 
 
 def test_a_compiled_runs_checkpoint_translates(compiled_tp2_run, tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("a b c\nd e\n")
-    proc = megaformer("translate", "--ckpt", compiled_tp2_run, "--input", source)
+    proc = megaformer("translate", "--ckpt", compiled_tp2_run[0], "--input", source)
     ok(proc)
     assert proc.stdout.count("\n") == 2  # one line per sentence (a model of 20 steps may say nothing yet)
     assert "translated 2 sentences" in proc.stderr
 
 
-def test_compiled_pipeline_follows_the_eager_pipeline(corpus, tmp_path):
-    sets = common(corpus) + ["parallel.pp=2", "train.max_steps=4", "train.save_interval=0"]
-    ok(train(tmp_path / "eager", 2, sets))
-    ok(train(tmp_path / "compiled", 2, sets + ["train.compile=true"]))
-    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+def test_compiled_pipeline_follows_the_eager_run(corpus, eager_run, tmp_path):
+    """pp=2 compiled, 4 steps, against the eager TP=1 run (test_pipeline holds eager pp=2 to pp=1)."""
+    sets = common(corpus) + ["parallel.pp=2", "train.max_steps=4", "train.save_interval=0", "train.compile=true"]
+    ok(train(tmp_path / "compiled", 2, sets))
+    compiled, eager = losses(tmp_path / "compiled"), losses(eager_run)
     for step in range(1, 5):
         assert abs(compiled[step]["loss"] - eager[step]["loss"]) <= 1e-4 * eager[step]["loss"], step
