@@ -154,7 +154,10 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     assert "--run-dir runs/multi30k/run-5m" in gpu, gpu
     cpu = _make_multi30k(dict(os.environ), "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=fp32")
     assert "--nproc 2" in cpu and "parallel.device" not in cpu, cpu
-    assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.15" in cpu, cpu
-    assert "train.tokens_per_step=1500" in cpu and "train.tokens_per_step=3000" in gpu, (cpu, gpu)  # ~675 steps
+    assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.1 " in cpu, cpu
+    # ~675 steps of 3,000 tokens expected: the short recipe (steps of 1,000 tokens, peak lr 1.1e-3)
+    assert "train.tokens_per_step=1000 --set train.lr_scale=0.352" in cpu, cpu
+    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512" in gpu, gpu
     hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=fp32")
-    assert "train.tokens_per_step=3000" in hour and "train.max_minutes=60" in hour, hour
+    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512" in hour and "train.max_minutes=60" in hour, hour
+    assert "model.dropout=0.15 " in hour, hour
