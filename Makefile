@@ -34,12 +34,12 @@ M30K_LAYOUT := $(if $(M30K_ON_GPU),--nproc 1 --set parallel.device=cuda --set da
 # Under 1,000 steps (a 15-minute fp32 run) 0.1, with the short recipe below.
 M30K_RATE := $(if $(M30K_ON_GPU),2000,$(if $(filter bf16,$(M30K_PRECISION)),125,45))
 M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * $(M30K_RATE) }')
-M30K_DROPOUT := $(shell awk 'BEGIN { print ($(M30K_STEPS) < 1000) ? 0.1 : ($(M30K_STEPS) < 3600) ? 0.15 : 0.25 }')
+M30K_SHORT := $(shell awk 'BEGIN { print ($(M30K_STEPS) < 1000) ? "yes" : "" }')
+M30K_DROPOUT := $(if $(M30K_SHORT),0.1,$(shell awk 'BEGIN { print ($(M30K_STEPS) < 3600) ? 0.15 : 0.25 }'))
 # A run expected to reach under 1,000 steps of 3,000 tokens (a short fp32 run) learns fastest from steps of 1,000
 # tokens, dropout 0.1 and a peak lr of 1.1e-3 (lr_scale 0.352) instead of 1.6e-3: at equal tokens (1.05M, ~an
 # AVX2-only EPYC's 12 minutes), valid BLEU 24.02 against 15.40 for the 60-minute settings at 1,500-token steps
 # (docs/results.md, 2026-12-04, each part measured alone too).
-M30K_SHORT := $(shell awk 'BEGIN { print ($(M30K_STEPS) < 1000) ? "yes" : "" }')
 M30K_TOKENS := $(if $(M30K_SHORT),1000,3000)
 M30K_LR_SCALE := $(if $(M30K_SHORT),0.352,0.512)
 

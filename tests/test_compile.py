@@ -10,12 +10,11 @@ its checkpoint decodes; a compiled pipeline (pp=2) follows the eager run too.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import common, losses, megaformer, ok, train
+from train_helpers import common, losses, megaformer, ok, train, train_records
 
 from megaformer.config import ModelConfig
 from megaformer.decode.beam import SearchSettings, beam_search
@@ -166,10 +165,6 @@ def test_a_compiled_model_decodes_eagerly_as_before():
 # compiled TP=2 run that is killed and resumed.
 
 
-def _records(run: Path) -> list[dict]:
-    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
-
-
 @pytest.fixture(scope="module")
 def eager_run(corpus, tmp_path_factory) -> Path:
     """The eager TP=1 run, 20 steps: the reference the compiled runs share neither compiler nor sharding with."""
@@ -186,7 +181,7 @@ def compiled_tp2_run(corpus, tmp_path_factory) -> tuple[Path, list[dict]]:
     sets = common(corpus) + ["parallel.tp=2", "train.max_steps=20", "train.compile=true"]
     first = train(run, 2, sets, fault="kill:rank=1:step=13")
     assert first.returncode != 0, first.stdout[-3000:]
-    killed = _records(run)
+    killed = train_records(run)
     second = train(run, 2, sets)
     ok(second)
     assert "resumed from" in second.stdout and "step-00000010" in second.stdout, second.stdout[-3000:]
@@ -215,7 +210,7 @@ def test_compiled_run_killed_and_resumed_is_exact(compiled_tp2_run):
     run, killed = compiled_tp2_run
     before = {r["step"]: r["loss"] for r in killed}
     assert {11, 12} <= set(before) and max(before) <= 13, sorted(before)
-    replayed = [r for r in _records(run)[len(killed) :] if r["step"] in before]
+    replayed = [r for r in train_records(run)[len(killed) :] if r["step"] in before]
     assert [r["step"] for r in replayed] == [s for s in sorted(before) if s > 10]
     for r in replayed:
         assert r["loss"] == before[r["step"]], r["step"]

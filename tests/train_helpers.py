@@ -74,14 +74,15 @@ def megaformer(*args, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
+def train_records(run_dir: Path) -> list[dict]:
+    """Every training record in metrics.jsonl, in the order logged (a resumed run logs the replayed steps again)."""
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in rows if r["kind"] == "train"]
+
+
 def losses(run_dir: Path) -> dict[int, dict]:
-    """The last record logged for each step (a resumed run logs the replayed steps again)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["kind"] == "train":
-            out[r["step"]] = r
-    return out
+    """The last record logged for each step."""
+    return {r["step"]: r for r in train_records(run_dir)}
 
 
 def ok(proc: subprocess.CompletedProcess) -> None:
