@@ -136,6 +136,65 @@ def test_exit_status_is_the_first_reporters_when_peers_exit_in_the_same_poll():
     assert first_failure_status(reports[:1], [1, None, 1], polled=1) == 1
 
 
+def _report_what_the_rank_took(out: str) -> int:
+    import signal
+
+    print(f"stdout of rank {os.environ['RANK']}", flush=True)
+    print(f"stderr of rank {os.environ['RANK']}", file=sys.stderr, flush=True)
+    blocked = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps([os.environ.get("MF_SPAWN_PROBE"), blocked]))
+    return 0
+
+
+def test_each_spawn_passes_its_own_environment_signal_mask_and_output(tmp_path, capfd, monkeypatch):
+    """The ranks fork from a server the first spawn started: a later spawn's variables, mask and output still reach them."""
+    import signal
+
+    assert spawn(_local_rank_of, 2, str(tmp_path)) == 0  # the server exists now, with this environment and mask
+    capfd.readouterr()
+    monkeypatch.setenv("MF_SPAWN_PROBE", "set after the server started")
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        assert spawn(_report_what_the_rank_took, 2, str(tmp_path)) == 0
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+    out, err = capfd.readouterr()
+    assert sorted(out.split("\n")) == ["", "stdout of rank 0", "stdout of rank 1"]
+    assert "stderr of rank 0" in err and "stderr of rank 1" in err
+    for rank in (0, 1):
+        probe, blocked = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert probe == "set after the server started"
+        assert signal.SIGUSR1 in blocked
+
+
+def test_the_fork_servers_preload_calls_nothing_in_torch_cuda():
+    """Ranks fork from the server: a CUDA it had initialized would be unusable in every one of them."""
+    probe = """
+import functools, inspect, json, torch
+calls = []
+def spy(name, fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+    return call
+for name in dir(torch.cuda):
+    if inspect.isfunction(getattr(torch.cuda, name)) and not name.startswith("__"):
+        setattr(torch.cuda, name, spy(name, getattr(torch.cuda, name)))
+for name in dir(torch._C):
+    if name.startswith("_cuda_"):
+        setattr(torch._C, name, spy(name, getattr(torch._C, name)))
+from launcher.local import PRELOAD
+for module in PRELOAD:
+    __import__(module)
+print(json.dumps(calls))
+"""
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    harmless = {"_is_compiled"}  # whether torch was built with CUDA: no driver call
+    assert set(json.loads(proc.stdout.splitlines()[-1])) <= harmless
+
+
 def _local_rank_of(out: str) -> int:
     info = detect()
     Path(out, f"rank{info.rank}").write_text(str(info.local_rank))

@@ -13,13 +13,17 @@ at most once per run of the script.
 
 Ranks never outlive their launcher: torchrun starts each rank in a session of its own, so
 a signal that kills torchrun does not reach them, and a rank blocked in a collective runs
-no Python signal handler. A daemon thread therefore compares ``os.getppid()`` with the
-parent seen at start-up (a dead parent re-parents the rank) every ``poll_s``; it does not
-need the main thread, so it also ends a rank stuck in a collective after the grace time.
+no Python signal handler. A daemon thread therefore checks every ``poll_s`` that the
+launcher lives: for a rank of ``megaformer train --nproc`` (:mod:`launcher.local`, which
+forks it from multiprocessing's fork server, not from itself) multiprocessing's own
+handle on the process that started it; otherwise ``os.getppid()`` against the parent seen
+at start-up (a dead parent re-parents the rank). It does not need the main thread, so it
+also ends a rank stuck in a collective after the grace time.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -45,6 +49,20 @@ def hold_signals() -> set[signal.Signals]:
     return signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
 
 
+class Launcher:
+    """The process that started this rank, as seen at start-up."""
+
+    def __init__(self) -> None:
+        self._started_by = multiprocessing.parent_process()  # launcher.local's ranks: also through the fork server
+        self._parent = os.getppid()
+        self.pid = self._started_by.pid if self._started_by is not None else self._parent
+
+    def alive(self) -> bool:
+        if self._started_by is not None:
+            return self._started_by.is_alive()  # its end of a pipe to this process is open
+        return os.getppid() == self._parent
+
+
 class SignalWatch:
     """Records USR1/TERM in the handler (and the launcher's death in a watchdog thread);
     the trainer agrees on :attr:`received` across ranks between steps."""
@@ -58,19 +76,19 @@ class SignalWatch:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # a signal held since start-up arrives now
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
-            target=self._watch_parent, args=(os.getppid(), parent_grace_s, poll_s), name="parent-watchdog", daemon=True
+            target=self._watch_parent, args=(Launcher(), parent_grace_s, poll_s), name="parent-watchdog", daemon=True
         )
         self._watchdog.start()
 
     def _note(self, what: int) -> None:
         self.received = max(self.received, what)  # TERM wins over USR1
 
-    def _watch_parent(self, parent: int, grace_s: float, poll_s: float) -> None:
+    def _watch_parent(self, launcher: Launcher, grace_s: float, poll_s: float) -> None:
         """Turn the launcher's death into TERMINATE, then end the process after ``grace_s``."""
         while not self._stop.wait(poll_s):
-            if os.getppid() != parent:
+            if not launcher.alive():
                 print(
-                    f"signal: launcher (pid {parent}) is gone: saving and stopping (exit within {grace_s:.0f} s)",
+                    f"signal: launcher (pid {launcher.pid}) is gone: saving and stopping (exit within {grace_s:.0f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
