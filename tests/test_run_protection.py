@@ -161,6 +161,32 @@ def test_a_lock_changing_hands_is_waited_for_not_refused(tmp_path):
         proc.wait(timeout=10)
 
 
+HELD_THEN_RELEASING = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"host": "elsewhere", "pid": 1, "slurm_job_id": "4242", "started": time.time()}).encode())
+print("held", flush=True)
+time.sleep(1.5)
+os.ftruncate(fd, 0)  # releasing: the record cleared, the lock still held for longer than a poll
+time.sleep(0.8)
+fcntl.flock(fd, fcntl.LOCK_UN)
+"""
+
+
+def test_a_requeued_job_whose_earlier_self_releases_late_in_the_wait_takes_over(tmp_path):
+    """The record cleared 1.5 s into the wait, the lock held 0.8 s more: still the hand-over, not another process."""
+    (tmp_path / "run").mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_THEN_RELEASING, str(tmp_path / "run" / LOCK_NAME)], stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"held"
+        RunLock(tmp_path / "run", "4242").acquire(requeue_wait_s=10).release()
+    finally:
+        proc.wait(timeout=10)
+
+
 def test_without_flock_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
     import errno
     import fcntl

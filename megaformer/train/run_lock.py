@@ -104,8 +104,9 @@ class RunLock:
         """True once flock is held; False where the file system has no flock. Refuses a live holder."""
         deadline = time.monotonic() + requeue_wait_s
         # A held lock whose file names nobody is changing hands: the holder is writing its record
-        # (acquire) or has just cleared it (release, before unlocking). Look again for a moment.
-        settle = time.monotonic() + 1.0
+        # (acquire) or has just cleared it (release, before unlocking). Look again for a moment from
+        # when it was first seen so: a requeued job's earlier self may clear it seconds into the wait.
+        empty_since = None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,9 +118,13 @@ class RunLock:
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise ConfigError(f"{self.path}: cannot lock the run directory ({err.strerror})") from None
             holder = read_holder(self.path)
-            if holder is None and time.monotonic() < settle:
-                time.sleep(0.02)
-                continue
+            if holder is None:
+                empty_since = time.monotonic() if empty_since is None else empty_since
+                if time.monotonic() < empty_since + 1.0:
+                    time.sleep(0.02)
+                    continue
+            else:
+                empty_since = None
             same_job = holder is not None and self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id
             if not same_job or time.monotonic() >= deadline:
                 raise ConfigError(self._held_message(holder))
