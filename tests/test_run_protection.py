@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -148,17 +150,22 @@ fcntl.flock(fd, fcntl.LOCK_UN)
 """
 
 
-def test_a_lock_changing_hands_is_waited_for_not_refused(tmp_path):
-    """A holder between clearing its record and unlocking (or between locking and writing it): not a refusal."""
-    (tmp_path / "run").mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", RELEASING, str(tmp_path / "run" / LOCK_NAME)], stdout=subprocess.PIPE
-    )
+@contextmanager
+def _lock_held_by(script: str, run_dir: Path, says: bytes) -> Iterator[None]:
+    """``script`` locks ``run_dir``'s lock file in another process; inside, it has printed ``says``."""
+    run_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", script, str(run_dir / LOCK_NAME)], stdout=subprocess.PIPE)
     try:
-        assert proc.stdout.readline().strip() == b"cleared"
-        RunLock(tmp_path / "run", "4242").acquire(requeue_wait_s=0).release()
+        assert proc.stdout.readline().strip() == says
+        yield
     finally:
         proc.wait(timeout=10)
+
+
+def test_a_lock_changing_hands_is_waited_for_not_refused(tmp_path):
+    """A holder between clearing its record and unlocking (or between locking and writing it): not a refusal."""
+    with _lock_held_by(RELEASING, tmp_path / "run", b"cleared"):
+        RunLock(tmp_path / "run", "4242").acquire(requeue_wait_s=0).release()
 
 
 HELD_THEN_RELEASING = """
@@ -176,15 +183,8 @@ fcntl.flock(fd, fcntl.LOCK_UN)
 
 def test_a_requeued_job_whose_earlier_self_releases_late_in_the_wait_takes_over(tmp_path):
     """The record cleared 1.5 s into the wait, the lock held 0.8 s more: still the hand-over, not another process."""
-    (tmp_path / "run").mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HELD_THEN_RELEASING, str(tmp_path / "run" / LOCK_NAME)], stdout=subprocess.PIPE
-    )
-    try:
-        assert proc.stdout.readline().strip() == b"held"
+    with _lock_held_by(HELD_THEN_RELEASING, tmp_path / "run", b"held"):
         RunLock(tmp_path / "run", "4242").acquire(requeue_wait_s=10).release()
-    finally:
-        proc.wait(timeout=10)
 
 
 def test_without_flock_a_dead_holder_on_this_host_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
