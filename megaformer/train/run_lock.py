@@ -118,13 +118,12 @@ class RunLock:
                 if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     raise ConfigError(f"{self.path}: cannot lock the run directory ({err.strerror})") from None
             holder = read_holder(self.path)
-            if holder is None:
-                empty_since = time.monotonic() if empty_since is None else empty_since
-                if time.monotonic() < empty_since + 1.0:
-                    time.sleep(0.02)
-                    continue
-            else:
+            if holder is not None:
                 empty_since = None
+            elif empty_since is None or time.monotonic() < empty_since + 1.0:
+                empty_since = empty_since or time.monotonic()
+                time.sleep(0.02)
+                continue
             same_job = holder is not None and self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id
             if not same_job or time.monotonic() >= deadline:
                 raise ConfigError(self._held_message(holder))
