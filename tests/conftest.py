@@ -62,7 +62,8 @@ def run(capsys):
 
 # `make test` spreads whole files over pytest-xdist workers (--dist loadfile), so that a file's
 # session fixtures (the cluster, the shared training runs) are built once. Files start in this
-# order, the longest first, so that none of them is left to run alone at the end.
+# order, the longest first, so that none of them is left to run alone at the end (the Makefile passes
+# --no-loadscope-reorder: by default xdist reorders files by their number of tests).
 LONGEST_FIRST = ("test_slurm_cluster", "test_compile", "test_train", "test_pipeline", "test_budget")
 
 
