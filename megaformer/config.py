@@ -325,6 +325,19 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
 }
 
 
+def check_precision(train: TrainConfig) -> None:
+    """bf16 and fp16 train through DeepSpeed's ZeRO optimizer, which holds the fp32 master weights.
+
+    A training check (``megaformer train`` before any process starts, and the engine), not
+    one of :func:`load_config`'s: a config only read, not trained, may name any precision.
+    """
+    if train.precision in ("bf16", "fp16") and train.zero_stage == 0:
+        raise ConfigError(
+            f"train.precision={train.precision} keeps fp32 master weights in DeepSpeed's ZeRO optimizer: "
+            f"set train.zero_stage=1 (with one data-parallel rank it shards nothing)"
+        )
+
+
 def _check_range(key: str, value: float, bounds: tuple[float | None, float | None, bool, bool]) -> None:
     """A finite value inside ``bounds``, or a ConfigError naming the key and the interval."""
     lo, hi, lo_open, hi_open = bounds

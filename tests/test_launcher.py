@@ -195,6 +195,26 @@ print(json.dumps(calls))
     assert set(json.loads(proc.stdout.splitlines()[-1])) <= harmless
 
 
+def test_a_launch_of_local_ranks_imports_no_torch_in_the_launching_process(corpus, tmp_path):
+    """`megaformer train --nproc 2` checks the config, layout and data, then only waits on its ranks:
+    torch (~1.5 CPU seconds to import) is theirs, loaded once by the fork server they start from.
+    A bad data path is still refused there, before any rank starts."""
+    probe = """
+import sys
+from megaformer import cli
+code = cli.main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules, "exit:", code)
+"""
+    args = ["train", "--config", ROOT / "configs" / "tiny.yaml", "--run-dir", tmp_path / "run", "--nproc", "2"]
+    sets = ["data.num_workers=0", "train.max_steps=1", "train.tokens_per_step=512", "data.max_tokens=256"]
+    args += [a for s in sets for a in ("--set", s)]
+    for data, outcome in ((corpus, "exit: 0"), (tmp_path / "missing", "exit: 2")):
+        cmd = [sys.executable, "-c", probe, *map(str, args), "--set", f"data.path={data}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.stdout.splitlines()[-1] == f"torch imported: False {outcome}", proc.stdout[-2000:] + proc.stderr
+    assert "no such manifest" in proc.stderr and "missing" in proc.stderr
+
+
 def _local_rank_of(out: str) -> int:
     info = detect()
     Path(out, f"rank{info.rank}").write_text(str(info.local_rank))

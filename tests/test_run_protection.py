@@ -20,7 +20,8 @@ import pytest
 
 from megaformer import cli
 from megaformer.checkpoint import check_complete, find_latest, list_checkpoints, sha256_of
-from megaformer.data.shards import open_prepared, read_manifest, verify_split, write_manifest
+from megaformer.data.manifest import read_manifest, write_manifest
+from megaformer.data.shards import open_prepared, verify_split
 from megaformer.data.stream import TokenBatchStream
 from megaformer.errors import CheckpointError, ConfigError, DataError
 from megaformer.train.run_lock import LOCK_NAME, Holder, RunLock

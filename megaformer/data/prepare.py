@@ -42,7 +42,8 @@ from megaformer.data.corpus import (
     one_line,
     reference_text,
 )
-from megaformer.data.shards import FORMAT, VERSION, ShardWriter, token_dtype, write_manifest
+from megaformer.data.manifest import FORMAT, VERSION, write_manifest
+from megaformer.data.shards import ShardWriter, token_dtype
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG, write_synthetic_corpus
 from megaformer.data.tokenizer import Tokenizer, train_bpe
 from megaformer.data.wmt_shaped import SRC_LANG as WMT_SRC_LANG

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from megaformer.config import DataConfig
-from megaformer.data.shards import manifest_path, read_manifest, verify_split
+from megaformer.data.manifest import manifest_path, read_manifest
+from megaformer.data.shards import verify_split
 from megaformer.data.stream import PlanSettings, open_prepared, padding_waste, plan_epoch
 from megaformer.errors import DataError
 

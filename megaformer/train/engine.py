@@ -24,8 +24,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from megaformer.config import Config, TrainConfig
-from megaformer.errors import ConfigError
+from megaformer.config import Config, TrainConfig, check_precision
 from megaformer.parallel import ParallelContext
 from megaformer.parallel.sharding import tp_dim
 from megaformer.train.engine_state import (
@@ -95,14 +94,6 @@ class ModelParallelUnit:
 
     # Newer DeepSpeed releases ask for the TP rank with this name.
     get_tensor_model_parallel_rank = get_model_parallel_rank
-
-
-def check_precision(train: TrainConfig) -> None:
-    if train.precision in ("bf16", "fp16") and train.zero_stage == 0:
-        raise ConfigError(
-            f"train.precision={train.precision} keeps fp32 master weights in DeepSpeed's ZeRO optimizer: "
-            f"set train.zero_stage=1 (with one data-parallel rank it shards nothing)"
-        )
 
 
 def deepspeed_config(cfg: Config, dp: int, accum: int, device_type: str = "cuda") -> dict:

@@ -49,7 +49,7 @@ def rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, loc
 
 def check_data(cfg: Config) -> None:
     """The prepared data must be there before any process starts (read_manifest names what is wrong)."""
-    from megaformer.data.shards import manifest_path, read_manifest
+    from megaformer.data.manifest import manifest_path, read_manifest
 
     if not cfg.data.path:
         raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
@@ -58,8 +58,8 @@ def check_data(cfg: Config) -> None:
 
 def check_launch(cfg: Config, world: int) -> None:
     """Everything that can be refused before a process starts: the layout for ``world`` ranks, the split, the data."""
+    from megaformer.config import check_precision
     from megaformer.parallel import ParallelLayout, check_model_split
-    from megaformer.train.engine import check_precision
 
     layout = ParallelLayout.from_config(cfg.parallel, world)
     check_model_split(cfg.model, layout.tp)

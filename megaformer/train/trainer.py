@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megaformer import checkpoint as ckpt
 from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.batching import plan_step
-from megaformer.data.shards import manifest_path, read_manifest
+from megaformer.data.manifest import manifest_path, read_manifest
 from megaformer.data.stream import TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
 from megaformer.errors import CheckpointError, ConfigError, TrainingError

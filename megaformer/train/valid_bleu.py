@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megaformer.data.shards import manifest_path, open_prepared, read_manifest, read_shard
+from megaformer.data.manifest import manifest_path, read_manifest
+from megaformer.data.shards import open_prepared, read_shard
 from megaformer.data.tokenizer import EOS_ID, Tokenizer
 from megaformer.decode.beam import SearchSettings
 from megaformer.decode.evaluate import corpus_scores
