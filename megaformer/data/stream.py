@@ -331,7 +331,11 @@ class TokenBatchStream:
         planner = _PlanAhead(self._plan_of, threaded and self.repeat)
         items = self._assemble(store, plan, planner)
         if threaded:
-            limit = 2 * self.settings.sort_buffer + self.settings.shuffle_buffer
+            # Two windows and a shuffle's reach ahead, the next window decoded while this one is
+            # consumed; an epoch shorter than a window is that window (else a small split would be
+            # decoded hundreds of epochs ahead, the workers busy all the while).
+            share = -(-len(self.data.lengths) // self.settings.dp_size)  # this rank's samples of an epoch
+            limit = 2 * min(self.settings.sort_buffer, share) + min(self.settings.shuffle_buffer, share)
             items = ReadAhead(items, READ_AHEAD_BATCHES, lambda: store.held < limit and store.pull(), "megaformer-read")
         try:
             for epoch, index, last, batch in items:
