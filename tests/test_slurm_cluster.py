@@ -22,10 +22,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "testcluster.sh"
-# The reference length: ~40 s of training on 2 idle cores (80 steps took 8 s). slurmctld
-# looks for due --signal warnings every 30 s, so a warning due at a job's start reaches it up
-# to ~30 s later; the preempted job (same length) must still be training then.
-STEPS = 400
+FAKES = ROOT / "tests" / "fakes"
+# slurmctld looks for due --signal warnings every 30 s, so a warning due at a job's start reaches
+# it up to ~30 s later; the preempted job (the reference's length) must still be training then.
+# Every step of every job ends SLOW_MS later (tests/fakes: the `slow` fault), so 150 steps last
+# over a minute on 2 idle cores (~0.1 s of computing a step) while computing less than half as
+# long as the 400 unslowed steps this took before; and the jobs that run until a test stops them
+# wait for SLURM's requeues and restarts without keeping both cores busy all that while.
+STEPS = 150
+SLOW_MS = 300
 COMMON = ["--set", "data.max_tokens=256", "--set", "train.tokens_per_step=512", "--set", "train.log_interval=1"]
 COMMON += ["--set", "train.eval_interval=0", "--set", "data.num_workers=1", "--set", "parallel.timeout_minutes=1"]
 COMMON += ["--set", "train.peak_tflops=0.1"]  # MFU's denominator given, not timed by every rank (train_helpers)
@@ -78,7 +83,10 @@ class Cluster:
             k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))
         }
         self.env.update(
-            PYTHONPATH=str(ROOT), PYTHON=sys.executable, TORCH_EXTENSIONS_DIR=str(work / "torch_extensions")
+            PYTHONPATH=f"{FAKES}{os.pathsep}{ROOT}",
+            MEGAFORMER_TEST_FAULT=f"slow:step={SLOW_MS}",
+            PYTHON=sys.executable,
+            TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
         )
 
     def slurm(self, *args: str, check: bool = True) -> str:
@@ -98,8 +106,14 @@ class Cluster:
         return job.split(";")[0], run, out
 
     def job(self, job: str) -> dict[str, str]:
-        text = self.slurm("scontrol", "show", "job", "-o", job)
-        return dict(re.findall(r"(\w+)=(\S*)", text))
+        """The job's fields. A query that fails is asked again twice, a second apart: scontrol was seen
+        killed by SIGPIPE, printing nothing, while slurmctld handled the job's scancel on loaded cores."""
+        for _ in range(2):
+            text = self.slurm("scontrol", "show", "job", "-o", job, check=False)
+            if text.strip():
+                return dict(re.findall(r"(\w+)=(\S*)", text))
+            time.sleep(1)
+        return dict(re.findall(r"(\w+)=(\S*)", self.slurm("scontrol", "show", "job", "-o", job)))
 
     def nodes_settled(self) -> bool:
         """No node is still completing a previous job step (killing and cleaning up its tasks)."""

@@ -9,7 +9,9 @@ MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
   rank R's stage only;
 - ``nan``: make step N's loss NaN (a diverged run, in any precision);
 - ``fast_clock``: the trainer's ``time.monotonic`` on rank R runs N times as fast (ranks'
-  clocks that disagree about when ``train.save_minutes`` has passed).
+  clocks that disagree about when ``train.save_minutes`` has passed);
+- ``slow``: every optimizer step ends N milliseconds later, on every rank (a SLURM job that
+  must still be training when a signal comes, without computing all that while).
 
 Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
 """
@@ -19,6 +21,7 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 
 SPEC = os.environ.get("MEGAFORMER_TEST_FAULT", "")
 
@@ -53,6 +56,15 @@ def _patch_trainer(module):
             module.time = _FastClock(module.time, step)
         return
     original = module.Trainer.step
+    if what == "slow":
+
+        def slow_step(self, flags):
+            result = original(self, flags)
+            time.sleep(step / 1000)
+            return result
+
+        module.Trainer.step = slow_step
+        return
 
     def step_with_fault(self, flags):
         target = self.engine.global_steps + 1
