@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaformer.config import Config
+from megaformer.config import Config, check_precision
 from megaformer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,7 +58,6 @@ def check_data(cfg: Config) -> None:
 
 def check_launch(cfg: Config, world: int) -> None:
     """Everything that can be refused before a process starts: the layout for ``world`` ranks, the split, the data."""
-    from megaformer.config import check_precision
     from megaformer.parallel import ParallelLayout, check_model_split
 
     layout = ParallelLayout.from_config(cfg.parallel, world)
