@@ -64,7 +64,8 @@ lint: install
 # The suite in TEST_WORKERS pytest-xdist workers (2 to 8, by the cores), each taking whole files
 # (--dist loadfile: a file's shared runs and the SLURM cluster are built once), the longest files
 # first (tests/conftest.py; --no-loadscope-reorder, or xdist starts the files with the most tests
-# first and the SLURM cluster's ~8 minutes, much of it waiting on slurmctld, end the run alone). On 2 cores the serial suite left a core idle a quarter of the time
+# first and the SLURM cluster's minutes, much of them waiting on slurmctld, end the run alone).
+# On 2 cores the serial suite left a core idle a quarter of the time
 # (process start-up, SLURM's scheduling waits); two workers fill it: 13 min 30 s against 17 min.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 2 ? 2 : (n > 8 ? 8 : n) )))
 test: install lint

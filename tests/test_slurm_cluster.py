@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+from train_helpers import FAKES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "testcluster.sh"
-FAKES = ROOT / "tests" / "fakes"
 # slurmctld looks for due --signal warnings every 30 s, so a warning due at a job's start reaches
 # it up to ~30 s later; the preempted job (the reference's length) must still be training then.
 # Every step of every job ends SLOW_MS later (tests/fakes: the `slow` fault), so 150 steps last
@@ -108,12 +108,12 @@ class Cluster:
     def job(self, job: str) -> dict[str, str]:
         """The job's fields. A query that fails is asked again twice, a second apart: scontrol was seen
         killed by SIGPIPE, printing nothing, while slurmctld handled the job's scancel on loaded cores."""
-        for _ in range(2):
-            text = self.slurm("scontrol", "show", "job", "-o", job, check=False)
+        for attempt in range(3):
+            text = self.slurm("scontrol", "show", "job", "-o", job, check=attempt == 2)  # the last names its error
             if text.strip():
-                return dict(re.findall(r"(\w+)=(\S*)", text))
+                break
             time.sleep(1)
-        return dict(re.findall(r"(\w+)=(\S*)", self.slurm("scontrol", "show", "job", "-o", job)))
+        return dict(re.findall(r"(\w+)=(\S*)", text))
 
     def nodes_settled(self) -> bool:
         """No node is still completing a previous job step (killing and cleaning up its tasks)."""
