@@ -1,11 +1,11 @@
 """On a CPU: one process using every core, or one data-parallel rank per core? Measured in one run.
 
     python benchmarks/cpu_processes.py --data DIR [--config configs/multi30k.yaml] [--precision fp32]
-        [--steps 40] [--warmup 10] [--rounds 2] [--json]
+        [--steps 40] [--warmup 10] [--rounds 2] [--tokens-per-step N] [--json]
 
 The real ``megaformer train`` trains ``--config`` on the prepared data ``--data`` (e.g.
 ``runs/multi30k/data`` after ``make multi30k``, or any ``megaformer prepare`` output) for
-``--steps`` steps, eager, at the same ``train.tokens_per_step``: once as one process with
+``--steps`` steps, eager, at the same ``train.tokens_per_step`` (the config's, or ``--tokens-per-step``): once as one process with
 all the machine's cores as torch threads (``--nproc 1``), once as one rank per core of one
 thread each (``--nproc N``), alternating ``--rounds`` times so that a drift of the machine's
 speed touches both. From each run's ``metrics.jsonl`` it takes the target tokens per second of
@@ -42,6 +42,8 @@ def _train(args: argparse.Namespace, nproc: int, work: Path, index: int) -> floa
     run_dir = work / f"run-{nproc}-{index}"
     sets = [f"data.path={args.data}", f"train.max_steps={args.steps}", f"train.precision={args.precision}"]
     sets += [f"train.zero_stage={0 if args.precision == 'fp32' else 1}", *COMMON]
+    if args.tokens_per_step:
+        sets.append(f"train.tokens_per_step={args.tokens_per_step}")
     cmd = [sys.executable, "-m", "megaformer.cli", "train", "--config", args.config, "--run-dir", str(run_dir)]
     cmd += ["--nproc", str(nproc), "--resume", "none"] + [a for s in sets for a in ("--set", s)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE")}
@@ -61,6 +63,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the rate")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tokens-per-step", type=int, default=0, help="train.tokens_per_step (default: the config's)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not (Path(args.data) / "manifest.json").is_file():
@@ -78,6 +81,7 @@ def main() -> int:
     result = {
         "cores": cores,
         "precision": args.precision,
+        "tokens_per_step": args.tokens_per_step or "config",
         "one_process_tokens_per_s": statistics.median(one),
         "ranks_tokens_per_s": statistics.median(ranks),
         "ranks_over_one_process": statistics.median(ranks) / statistics.median(one),
@@ -86,8 +90,9 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        tokens = args.tokens_per_step or "the config's"
         print(
-            f"{cores} cores, {args.precision}, eager, {args.steps} steps ({args.warmup} left out), {args.rounds} rounds"
+            f"{cores} cores, {args.precision}, eager, {tokens} tokens a step, {args.steps} steps ({args.warmup} left out), {args.rounds} rounds"
         )
         print(f"  1 process x {cores} threads: {result['one_process_tokens_per_s']:,.0f} target tokens/s")
         print(f"  {cores} ranks x 1 thread:    {result['ranks_tokens_per_s']:,.0f} target tokens/s")
