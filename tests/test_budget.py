@@ -159,7 +159,7 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     assert "train.tokens_per_step=1000 --set train.lr_scale=0.352" in cpu, cpu
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512" in gpu, gpu
     hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=fp32")
-    assert "train.tokens_per_step=1500 --set train.lr_scale=0.352" in hour and "train.max_minutes=60" in hour, hour
+    assert "train.tokens_per_step=1000 --set train.lr_scale=0.352" in hour and "train.max_minutes=60" in hour, hour
     assert "model.dropout=0.15 " in hour, hour
     bf16_hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=bf16")
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512" in bf16_hour, bf16_hour
