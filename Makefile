@@ -39,7 +39,8 @@ M30K_DROPOUT := $(if $(M30K_SHORT),0.1,$(shell awk 'BEGIN { print ($(M30K_STEPS)
 # (docs/results.md, 2026-12-04, each part measured alone too).
 # A longer fp32 run (60 minutes on an AVX2-only CPU: ~1,550 steps of 3,000 tokens) takes steps of 1,000 tokens
 # at that lr too, with dropout 0.15: in an AVX2-only CPU's hour, emulated, valid 37.18 against 36.68 for steps
-# of 1,500 and 36.31 for 3,000 at 1.6e-3 (docs/results.md, 2026-12-05). bf16 and GPU runs keep 3,000 tokens and 1.6e-3.
+# of 1,500 and 36.31 for 3,000 at 1.6e-3 (docs/results.md, 2026-12-05). bf16 and GPU runs keep 3,000 tokens
+# and 1.6e-3.
 M30K_SMALL_STEPS := $(or $(M30K_SHORT),$(filter fp32,$(M30K_PRECISION)))
 M30K_TOKENS := $(if $(M30K_SMALL_STEPS),1000,3000)
 M30K_LR_SCALE := $(if $(M30K_SMALL_STEPS),0.352,0.512)

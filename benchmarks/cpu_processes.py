@@ -5,9 +5,9 @@
 
 The real ``megaformer train`` trains ``--config`` on the prepared data ``--data`` (e.g.
 ``runs/multi30k/data`` after ``make multi30k``, or any ``megaformer prepare`` output) for
-``--steps`` steps, eager, at the same ``train.tokens_per_step`` (the config's, or ``--tokens-per-step``): once as one process with
-all the machine's cores as torch threads (``--nproc 1``), once as one rank per core of one
-thread each (``--nproc N``), alternating ``--rounds`` times so that a drift of the machine's
+``--steps`` steps, eager, at the same ``train.tokens_per_step`` (the config's, or
+``--tokens-per-step``): once as one process with all the machine's cores as torch threads
+(``--nproc 1``), once as one rank per core of one thread each (``--nproc N``), alternating ``--rounds`` times so that a drift of the machine's
 speed touches both. From each run's ``metrics.jsonl`` it takes the target tokens per second of
 the steps after ``--warmup`` (training seconds only) and prints the median of each and the
 ratio ``ranks / one_process`` (above 1: the ranks are faster). ``make multi30k`` takes the
@@ -68,6 +68,8 @@ def main() -> int:
     args = p.parse_args()
     if not (Path(args.data) / "manifest.json").is_file():
         sys.exit(f"cpu_processes: --data {args.data}: no manifest.json; run `megaformer prepare` first")
+    if args.tokens_per_step < 0:
+        sys.exit(f"cpu_processes: --tokens-per-step {args.tokens_per_step}: give a positive count (or 0: the config's)")
     if args.warmup < 1 or args.steps <= args.warmup:
         sys.exit(f"cpu_processes: --steps {args.steps} must exceed --warmup {args.warmup} (>= 1)")
     cores = os.cpu_count() or 1
@@ -81,7 +83,7 @@ def main() -> int:
     result = {
         "cores": cores,
         "precision": args.precision,
-        "tokens_per_step": args.tokens_per_step or "config",
+        "tokens_per_step": args.tokens_per_step or None,  # None: the config's
         "one_process_tokens_per_s": statistics.median(one),
         "ranks_tokens_per_s": statistics.median(ranks),
         "ranks_over_one_process": statistics.median(ranks) / statistics.median(one),
@@ -91,9 +93,8 @@ def main() -> int:
         print(json.dumps(result))
     else:
         tokens = args.tokens_per_step or "the config's"
-        print(
-            f"{cores} cores, {args.precision}, eager, {tokens} tokens a step, {args.steps} steps ({args.warmup} left out), {args.rounds} rounds"
-        )
+        print(f"{cores} cores, {args.precision}, eager, {tokens} tokens a step, ", end="")
+        print(f"{args.steps} steps ({args.warmup} left out), {args.rounds} rounds")
         print(f"  1 process x {cores} threads: {result['one_process_tokens_per_s']:,.0f} target tokens/s")
         print(f"  {cores} ranks x 1 thread:    {result['ranks_tokens_per_s']:,.0f} target tokens/s")
         print(f"  ranks / one process: {result['ranks_over_one_process']:.3f}")
