@@ -25,6 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megaformer.cli import Parser
+from megaformer.cli_args import nonneg_int
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "train.save_minutes=0"]
 COMMON += ["train.compile=false", "train.max_minutes=0"]
@@ -56,20 +59,18 @@ def _train(args: argparse.Namespace, nproc: int, work: Path, index: int) -> floa
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="cpu_processes", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="a directory written by `megaformer prepare`")
     p.add_argument("--config", default="configs/multi30k.yaml")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the rate")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--tokens-per-step", type=int, default=0, help="train.tokens_per_step (default: the config's)")
+    p.add_argument("--tokens-per-step", type=nonneg_int, default=0, help="train.tokens_per_step (0: the config's)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if not (Path(args.data) / "manifest.json").is_file():
         sys.exit(f"cpu_processes: --data {args.data}: no manifest.json; run `megaformer prepare` first")
-    if args.tokens_per_step < 0:
-        sys.exit(f"cpu_processes: --tokens-per-step {args.tokens_per_step}: give a positive count (or 0: the config's)")
     if args.warmup < 1 or args.steps <= args.warmup:
         sys.exit(f"cpu_processes: --steps {args.steps} must exceed --warmup {args.warmup} (>= 1)")
     cores = os.cpu_count() or 1

@@ -455,3 +455,15 @@ def test_compile_without_a_cpp_compiler_is_refused_in_one_line(run, tmp_path, mo
         code, _, err = run(*argv, "--run-dir", tmp_path / "run", "--set", "train.max_steps=1")
     assert_one_line_error(code, err, "train.compile: no C++ compiler")
     assert {name: os.environ.get(name) for name in launch} == launch
+
+
+@pytest.mark.parametrize(("value", "fragment"), [("-3", "must be at least 0, got -3"), ("1e3", "expected an integer")])
+def test_cpu_processes_benchmark_refuses_a_bad_tokens_per_step_in_one_line(tmp_path, value, fragment):
+    """The benchmark's step size is checked like a command's options, before any run starts."""
+    import subprocess
+    import sys
+
+    (tmp_path / "manifest.json").write_text("{}")
+    argv = [sys.executable, str(ROOT / "benchmarks" / "cpu_processes.py"), "--data", str(tmp_path)]
+    proc = subprocess.run([*argv, "--tokens-per-step", value], capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc.returncode, proc.stderr, f"argument --tokens-per-step: {fragment}")
