@@ -143,6 +143,12 @@ def _make_multi30k(env: dict, *settings: str) -> str:
     return " ".join(line.split())
 
 
+def _peak_lr(command: str) -> float:
+    """The lr at the end of the warm-up that a make multi30k train command configures (d_model 256)."""
+    warmup = int(re.search(r"train\.warmup_steps=(\d+)", command)[1])
+    return inverse_sqrt_lr(warmup, 256, warmup, float(re.search(r"train\.lr_scale=([\d.]+)", command)[1]))
+
+
 def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path):
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
@@ -156,11 +162,14 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     assert "--nproc 2" in cpu and "parallel.device" not in cpu, cpu
     assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.1 " in cpu, cpu
     # ~675 steps of 3,000 tokens expected: the short recipe (steps of 1,000 tokens, peak lr 1.1e-3)
-    assert "train.tokens_per_step=1000 --set train.lr_scale=0.352" in cpu, cpu
-    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512" in gpu, gpu
+    assert "train.tokens_per_step=1000 --set train.lr_scale=0.352 --set train.warmup_steps=400" in cpu, cpu
+    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in gpu, gpu
     hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=fp32")
-    assert "train.tokens_per_step=1000 --set train.lr_scale=0.352" in hour and "train.max_minutes=60" in hour, hour
+    # ~2,700 steps of 3,000 tokens expected: steps of 1,000, warmed up over up to 1,000 updates to the same 1.1e-3
+    assert "train.tokens_per_step=1000 --set train.lr_scale=0.5566 --set train.warmup_steps=1000" in hour, hour
+    assert "train.max_minutes=60" in hour, hour
+    assert _peak_lr(hour) == pytest.approx(1.1e-3, rel=1e-3) and _peak_lr(cpu) == pytest.approx(1.1e-3, rel=1e-3)
     assert "model.dropout=0.15 " in hour, hour
     bf16_hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=bf16")
-    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512" in bf16_hour, bf16_hour
+    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in bf16_hour, bf16_hour
     assert "model.dropout=0.25 " in bf16_hour, bf16_hour
