@@ -15,6 +15,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -460,9 +462,6 @@ def test_compile_without_a_cpp_compiler_is_refused_in_one_line(run, tmp_path, mo
 @pytest.mark.parametrize(("value", "fragment"), [("-3", "must be at least 0, got -3"), ("1e3", "expected an integer")])
 def test_cpu_processes_benchmark_refuses_a_bad_tokens_per_step_in_one_line(tmp_path, value, fragment):
     """The benchmark's step size is checked like a command's options, before any run starts."""
-    import subprocess
-    import sys
-
     (tmp_path / "manifest.json").write_text("{}")
     argv = [sys.executable, str(ROOT / "benchmarks" / "cpu_processes.py"), "--data", str(tmp_path)]
     proc = subprocess.run([*argv, "--tokens-per-step", value], capture_output=True, text=True, timeout=60)
