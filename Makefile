@@ -7,14 +7,28 @@ export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megaformer/torch_extensions
 # Install the local CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-# make multi30k DATA=../shared/data/multi30k [MINUTES=15]: prepare, train <= MINUTES (default 60) min,
-# average, evaluate en->de. A run of other than 60 minutes has its own run dir, averaged model and
-# hypotheses (runs/multi30k/run-15m, averaged-15m.pt, test-15m.hyp), so it never resumes the 60-minute one.
+# make multi30k DATA=../shared/data/multi30k [MINUTES=15] [TESTS=...]: prepare, train <= MINUTES (default 60)
+# min, average, evaluate en->de on each test set in TESTS. A run of other than 60 minutes has its own run dir,
+# averaged model and hypotheses (runs/multi30k/run-15m, averaged-15m.pt, test_2016_flickr-15m.hyp), so it
+# never resumes the 60-minute one.
 DATA ?= ../shared/data/multi30k
 MINUTES ?= 60
+# Test sets in DATA (NAME.en and NAME.de, plain or .gz), each scored once at the end; the first is also
+# prepared with the data. Multi30k's task 1 has test_2017_flickr, test_2017_mscoco and test_2018_flickr too.
+TESTS ?= test_2016_flickr
 M30K := runs/multi30k
 M30K_TAG := $(if $(filter 60,$(MINUTES)),,-$(MINUTES)m)
 M30K_RUN := $(M30K)/run$(M30K_TAG)
+# A side of a test set, plain or gzip: $(call m30k_side,NAME,LANG); empty where DATA has neither.
+m30k_side = $(firstword $(wildcard $(DATA)/$(1).$(2) $(DATA)/$(1).$(2).gz))
+# Scoring one test set, NAME, with the averaged model: $(call m30k_score,NAME).
+define m30k_score
+	@echo "multi30k: $(1) ($(call m30k_side,$(1),en), $(call m30k_side,$(1),de))"
+	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged$(M30K_TAG).pt --input $(call m30k_side,$(1),en) \
+		--ref $(call m30k_side,$(1),de) --output $(M30K)/$(1)$(M30K_TAG).hyp
+
+endef
+M30K_MISSING := $(strip $(foreach t,$(TESTS),$(foreach l,en de,$(if $(call m30k_side,$(t),$(l)),,$(t).$(l)))))
 # A checkpoint every MINUTES/24 minutes: the last 5, averaged, span the last ~20 % of any run length.
 M30K_SAVE := $(shell awk 'BEGIN { print $(MINUTES) / 24 }')
 # A machine with a CUDA GPU (nvidia-smi lists one) trains on one GPU, in one process, one micro-batch a
@@ -91,14 +105,15 @@ demo: install
 	$(PY) -m megaformer.commands.demo
 
 multi30k: install
+	$(if $(TESTS),,$(error TESTS is empty: name at least one test set in DATA, e.g. TESTS=test_2016_flickr))
+	$(if $(M30K_MISSING),$(error TESTS: DATA=$(DATA) has no $(M30K_MISSING) (plain or .gz): set DATA or TESTS))
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
-		--test $(DATA)/test_2016_flickr --vocab-size 8000 --out $(M30K)/data --force
+		--test $(DATA)/$(firstword $(TESTS)) --vocab-size 8000 --out $(M30K)/data --force
 	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) \
 		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) --set train.tokens_per_step=$(M30K_TOKENS) --set train.lr_scale=$(M30K_LR_SCALE) \
 		--set train.warmup_steps=$(M30K_WARMUP) --set train.max_minutes=$(MINUTES) --set train.save_minutes=$(M30K_SAVE) --run-dir $(M30K_RUN) $(M30K_LAYOUT) --resume auto
 	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt
-	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged$(M30K_TAG).pt --input $(M30K)/data/test.en \
-		--ref $(M30K)/data/test.de --output $(M30K)/test$(M30K_TAG).hyp
+	$(foreach t,$(TESTS),$(call m30k_score,$(t)))
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -173,3 +173,33 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     bf16_hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=bf16")
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in bf16_hour, bf16_hour
     assert "model.dropout=0.25 " in bf16_hour, bf16_hour
+
+
+def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_before_training(tmp_path):
+    """TESTS: each set is scored from DATA, plain or gzip, into its own hypotheses; a missing one stops make first."""
+    for name in ("train", "val", "test_2016_flickr", "test_2017_mscoco"):
+        for lang in ("en", "de"):
+            (tmp_path / f"{name}.{lang}{'' if name == 'test_2017_mscoco' else '.gz'}").write_bytes(b"")
+    tests = "TESTS=test_2016_flickr test_2017_mscoco"
+    proc = subprocess.run(
+        ["make", "-n", "multi30k", f"DATA={tmp_path}", tests, "MINUTES=15", "M30K_GPUS=0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    commands = " ".join(proc.stdout.replace("\\\n", " ").split())
+    assert f"--test {tmp_path}/test_2016_flickr " in commands, commands
+    for name, suffix in (("test_2016_flickr", ".gz"), ("test_2017_mscoco", "")):
+        assert (
+            f"--input {tmp_path}/{name}.en{suffix} --ref {tmp_path}/{name}.de{suffix} "
+            f"--output runs/multi30k/{name}-15m.hyp"
+        ) in commands, commands
+    missing = subprocess.run(
+        ["make", "-n", "multi30k", f"DATA={tmp_path}", "TESTS=test_2016_flickr test_2018_flickr"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode != 0 and "megaformer.cli" not in missing.stdout, missing.stdout
+    assert "has no test_2018_flickr.en test_2018_flickr.de" in missing.stderr, missing.stderr

@@ -5,6 +5,7 @@ The model (sentencepiece trained on the fly, 300 Adam steps) reaches a BLEU far 
 input ends with status 2 and one line on stderr, without a traceback.
 """
 
+import gzip
 import io
 import json
 import random
@@ -134,6 +135,32 @@ def test_evaluate_prints_sacrebleu_with_its_signature(files, run, tmp_path):
     )
     assert code == 0
     assert out.startswith("BLEU|nrefs:1|") and "\nchrF2|nrefs:1|" in out
+
+
+def test_evaluate_reads_gzip_test_sets_and_writes_gzip_hypotheses(files, run, tmp_path):
+    """Multi30k and WMT ship their test sets as .gz: scored as the plain text they hold; a torn one is refused."""
+    for side in ("src", "ref"):
+        (tmp_path / f"test.{side}.gz").write_bytes(gzip.compress(files[side].read_bytes()))
+    argv = ("evaluate", "--ckpt", files["model"], "--beam", 1, "--json", "--quiet")
+    code, plain, err = run(*argv, "--input", files["src"], "--ref", files["ref"], "--output", tmp_path / "plain.hyp")
+    assert code == 0, err
+    code, zipped, err = run(
+        *argv, "--input", tmp_path / "test.src.gz", "--ref", tmp_path / "test.ref.gz", "--output", tmp_path / "hyp.gz"
+    )
+    assert code == 0, err
+    assert json.loads(zipped)["bleu"] == json.loads(plain)["bleu"] and json.loads(zipped)["sentences"] == 40
+    assert gzip.decompress((tmp_path / "hyp.gz").read_bytes()) == (tmp_path / "plain.hyp").read_bytes()
+
+    torn = tmp_path / "torn.src.gz"
+    torn.write_bytes((tmp_path / "test.src.gz").read_bytes()[:-20])
+    _one_line_error(*run("translate", "--ckpt", files["model"], "--input", torn)[::2], torn, "not a complete gzip file")
+    not_gzip = tmp_path / "plain.ref.gz"
+    not_gzip.write_bytes(files["ref"].read_bytes())
+    _one_line_error(
+        *run("evaluate", "--ckpt", files["model"], "--input", files["src"], "--ref", not_gzip)[::2],
+        not_gzip,
+        "not a complete gzip file",
+    )
 
 
 def test_average_is_the_elementwise_mean(files, run, tmp_path):

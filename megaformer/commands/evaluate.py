@@ -26,9 +26,13 @@ from megaformer.errors import ConfigError, DataError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", type=existing_file, required=True, help="source sentences, one a line (raw text)")
-    parser.add_argument("--ref", type=existing_file, required=True, help="reference translations, one a line")
-    parser.add_argument("--output", type=new_file, help="write the hypotheses here")
+    parser.add_argument(
+        "--input", type=existing_file, required=True, help="source sentences, one a line (raw text, plain or .gz)"
+    )
+    parser.add_argument(
+        "--ref", type=existing_file, required=True, help="reference translations, one a line (plain or .gz)"
+    )
+    parser.add_argument("--output", type=new_file, help="write the hypotheses here (gzip if it ends in .gz)")
     parser.add_argument(
         "--tokenize",
         default="13a",

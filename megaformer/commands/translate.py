@@ -78,8 +78,12 @@ def settings_from_args(args: argparse.Namespace, model: Consolidated) -> SearchS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", type=existing_file, help="text to translate, one sentence a line (default: stdin)")
-    parser.add_argument("--output", type=new_file, help="where the translations go (default: stdout)")
+    parser.add_argument(
+        "--input", type=existing_file, help="text to translate, one sentence a line, plain or .gz (default: stdin)"
+    )
+    parser.add_argument(
+        "--output", type=new_file, help="where the translations go, gzip if it ends in .gz (default: stdout)"
+    )
     add_search_arguments(parser)
 
 

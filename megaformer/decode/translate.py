@@ -15,10 +15,12 @@ process starts. The commands are :mod:`megaformer.commands.translate` and
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,16 +40,25 @@ from megaformer.parallel import LOCAL, ParallelContext
 
 
 def read_text_lines(path: str | Path | None) -> list[str]:
-    """The lines of a UTF-8 file (stdin for None or "-"), without their line ends; '' stays a line."""
+    """The lines of a UTF-8 file (stdin for None or "-"), without their line ends; '' stays a line.
+
+    A path ending in ``.gz`` is read as gzip (Multi30k and WMT ship their test sets so); one
+    that is truncated or not gzip is a DataError naming it.
+    """
     try:
         if path is None or str(path) == "-":
-            text = sys.stdin.buffer.read().decode("utf-8")
+            data = sys.stdin.buffer.read()
         else:
-            text = Path(path).read_bytes().decode("utf-8")
+            data = Path(path).read_bytes()
+            if Path(path).suffix == ".gz":
+                data = gzip.decompress(data)
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise DataError(f"{path}: is a directory, expected a text file") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise DataError(f"{path}: not a complete gzip file ({type(err).__name__}: {err})") from None
     except UnicodeDecodeError as err:
         line = _line_of(err)
         raise DataError(f"{path or 'stdin'}: not UTF-8 text (line {line})") from None
@@ -62,14 +73,15 @@ def _line_of(err: UnicodeDecodeError) -> int:
 
 
 def write_lines(path: str | Path | None, lines: Sequence[str]) -> None:
-    """Write ``lines`` (one per line) to ``path``, or to stdout for None or "-"."""
+    """Write ``lines`` (one per line) to ``path`` (gzip where it ends in ``.gz``), or to stdout for None or "-"."""
     text = "".join(line + "\n" for line in lines)
     if path is None or str(path) == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
+    data = text.encode("utf-8")
     try:
-        Path(path).write_text(text, encoding="utf-8")
+        Path(path).write_bytes(gzip.compress(data, mtime=0) if Path(path).suffix == ".gz" else data)
     except OSError as err:
         raise DataError(f"{path}: cannot write ({err.strerror})") from None
 
