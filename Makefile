@@ -39,9 +39,10 @@ M30K_ON_GPU := $(filter-out 0,$(M30K_GPUS))
 # bf16 on a GPU and where the CPU computes it natively (AVX512-BF16 / AMX), fp32 elsewhere.
 M30K_PRECISION ?= $(if $(M30K_ON_GPU),bf16,$(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo fp32))
 # Dropout for the steps the run will reach: 0.25 overfits less from ~3,600 steps on, 0.15 learns faster
-# below that. Two cores reach ~125 steps a minute in bf16 (AMX) and ~45 in fp32 (AVX2), so a 60-minute
-# fp32 run (2,533 measured) takes 0.15, as a 15-minute bf16 one (~2,000 steps) does; a GPU is taken to
-# reach ~2,000 a minute (the CPU hour's ~9,000 steps within minutes; not yet measured), so it keeps 0.25.
+# below that. Two cores reach ~125 steps a minute in bf16 (AMX; ~90 on a slower Xeon with AMX, whose hour
+# reached 5,422) and ~45 in fp32 (AVX2), so a 60-minute fp32 run (2,533 measured) takes 0.15, as a
+# 15-minute bf16 one (1,300-2,000 steps) does; a GPU is taken to reach ~2,000 a minute (the CPU hour's
+# ~9,000 steps within minutes; not yet measured), so it keeps 0.25.
 # Under 1,000 steps (a 15-minute fp32 run) 0.1, with the short recipe below.
 M30K_RATE := $(if $(M30K_ON_GPU),2000,$(if $(filter bf16,$(M30K_PRECISION)),125,45))
 M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * $(M30K_RATE) }')
@@ -105,6 +106,7 @@ demo: install
 	$(PY) -m megaformer.commands.demo
 
 multi30k: install
+	$(if $(wildcard $(DATA)/.),,$(error DATA=$(DATA): no such folder (it holds train, val and the test sets, .en/.de)))
 	$(if $(TESTS),,$(error TESTS is empty: name at least one test set in DATA, e.g. TESTS=test_2016_flickr))
 	$(if $(M30K_MISSING),$(error TESTS: DATA=$(DATA) has no $(M30K_MISSING) (plain or .gz): set DATA or TESTS))
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \

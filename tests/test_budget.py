@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,9 +136,19 @@ def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus
         assert resumed[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
 
 
-def _make_multi30k(env: dict, *settings: str) -> str:
+def _multi30k_data(folder: Path, tests: dict[str, str] | None = None) -> Path:
+    """A DATA folder for ``make -n multi30k``: empty files of each test set, NAME -> suffix ('' or '.gz')."""
+    folder.mkdir(exist_ok=True)
+    for name, suffix in (tests or {"test_2016_flickr": ".gz"}).items():
+        for lang in ("en", "de"):
+            (folder / f"{name}.{lang}{suffix}").write_bytes(b"")
+    return folder
+
+
+def _make_multi30k(env: dict, data: Path, *settings: str) -> str:
     """The train command ``make multi30k`` would run, with ``settings`` and ``env`` (``make -n``: nothing runs)."""
-    proc = subprocess.run(["make", "-n", "multi30k", *settings], cwd=ROOT, env=env, capture_output=True, text=True)
+    argv = ["make", "-n", "multi30k", f"DATA={data}", *settings]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     (line,) = [cmd for cmd in proc.stdout.replace("\\\n", " ").splitlines() if "megaformer.cli train" in cmd]
     return " ".join(line.split())
@@ -154,52 +165,55 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-00000000)"\n')
     fake.chmod(0o755)
-    gpu = _make_multi30k({**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}, "MINUTES=5")
+    data = _multi30k_data(tmp_path / "data")
+    gpu = _make_multi30k({**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}, data, "MINUTES=5")
     assert "--nproc 1 --set parallel.device=cuda --set data.max_tokens=3072" in gpu, gpu
     assert "train.precision=bf16 --set train.zero_stage=1" in gpu and "model.dropout=0.25" in gpu, gpu
     assert "--run-dir runs/multi30k/run-5m" in gpu, gpu
-    cpu = _make_multi30k(dict(os.environ), "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=fp32")
+    cpu = _make_multi30k(dict(os.environ), data, "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=fp32")
     assert "--nproc 2" in cpu and "parallel.device" not in cpu, cpu
     assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.1 " in cpu, cpu
     # ~675 steps of 3,000 tokens expected: the short recipe (steps of 1,000 tokens, peak lr 1.1e-3)
     assert "train.tokens_per_step=1000 --set train.lr_scale=0.352 --set train.warmup_steps=400" in cpu, cpu
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in gpu, gpu
-    hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=fp32")
+    hour = _make_multi30k(dict(os.environ), data, "M30K_GPUS=0", "M30K_PRECISION=fp32")
     # ~2,700 steps of 3,000 tokens expected: steps of 1,000, warmed up over up to 1,000 updates to the same 1.1e-3
     assert "train.tokens_per_step=1000 --set train.lr_scale=0.5566 --set train.warmup_steps=1000" in hour, hour
     assert "train.max_minutes=60" in hour, hour
     assert _peak_lr(hour) == pytest.approx(1.1e-3, rel=1e-3) and _peak_lr(cpu) == pytest.approx(1.1e-3, rel=1e-3)
     assert "model.dropout=0.15 " in hour, hour
-    bf16_hour = _make_multi30k(dict(os.environ), "M30K_GPUS=0", "M30K_PRECISION=bf16")
+    bf16_hour = _make_multi30k(dict(os.environ), data, "M30K_GPUS=0", "M30K_PRECISION=bf16")
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in bf16_hour, bf16_hour
     assert "model.dropout=0.25 " in bf16_hour, bf16_hour
 
 
 def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_before_training(tmp_path):
     """TESTS: each set is scored from DATA, plain or gzip, into its own hypotheses; a missing one stops make first."""
-    for name in ("train", "val", "test_2016_flickr", "test_2017_mscoco"):
-        for lang in ("en", "de"):
-            (tmp_path / f"{name}.{lang}{'' if name == 'test_2017_mscoco' else '.gz'}").write_bytes(b"")
+    data = _multi30k_data(tmp_path, {"test_2016_flickr": ".gz", "test_2017_mscoco": ""})
     tests = "TESTS=test_2016_flickr test_2017_mscoco"
     proc = subprocess.run(
-        ["make", "-n", "multi30k", f"DATA={tmp_path}", tests, "MINUTES=15", "M30K_GPUS=0"],
+        ["make", "-n", "multi30k", f"DATA={data}", tests, "MINUTES=15", "M30K_GPUS=0"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
     commands = " ".join(proc.stdout.replace("\\\n", " ").split())
-    assert f"--test {tmp_path}/test_2016_flickr " in commands, commands
+    assert f"--test {data}/test_2016_flickr " in commands, commands
     for name, suffix in (("test_2016_flickr", ".gz"), ("test_2017_mscoco", "")):
         assert (
-            f"--input {tmp_path}/{name}.en{suffix} --ref {tmp_path}/{name}.de{suffix} "
-            f"--output runs/multi30k/{name}-15m.hyp"
+            f"--input {data}/{name}.en{suffix} --ref {data}/{name}.de{suffix} --output runs/multi30k/{name}-15m.hyp"
         ) in commands, commands
     missing = subprocess.run(
-        ["make", "-n", "multi30k", f"DATA={tmp_path}", "TESTS=test_2016_flickr test_2018_flickr"],
+        ["make", "-n", "multi30k", f"DATA={data}", "TESTS=test_2016_flickr test_2018_flickr"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
     assert missing.returncode != 0 and "megaformer.cli" not in missing.stdout, missing.stdout
     assert "has no test_2018_flickr.en test_2018_flickr.de" in missing.stderr, missing.stderr
+    nowhere = subprocess.run(
+        ["make", "-n", "multi30k", f"DATA={tmp_path / 'nowhere'}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert nowhere.returncode != 0 and "megaformer.cli" not in nowhere.stdout, nowhere.stdout
+    assert f"DATA={tmp_path / 'nowhere'}: no such folder" in nowhere.stderr, nowhere.stderr
