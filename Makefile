@@ -23,7 +23,7 @@ M30K_RUN := $(M30K)/run$(M30K_TAG)
 m30k_side = $(firstword $(wildcard $(DATA)/$(1).$(2) $(DATA)/$(1).$(2).gz))
 # Scoring one test set, NAME, with the averaged model: $(call m30k_score,NAME).
 define m30k_score
-	@echo "multi30k: $(1) ($(call m30k_side,$(1),en), $(call m30k_side,$(1),de))"
+	@echo "multi30k: scoring $(1)"
 	$(PY) -m megaformer.cli evaluate --ckpt $(M30K)/averaged$(M30K_TAG).pt --input $(call m30k_side,$(1),en) \
 		--ref $(call m30k_side,$(1),de) --output $(M30K)/$(1)$(M30K_TAG).hyp
 

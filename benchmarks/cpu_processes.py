@@ -8,10 +8,11 @@ The real ``megaformer train`` trains ``--config`` on the prepared data ``--data`
 ``--steps`` steps, eager, at the same ``train.tokens_per_step`` (the config's, or
 ``--tokens-per-step``): once as one process with all the machine's cores as torch threads
 (``--nproc 1``), once as one rank per core of one thread each (``--nproc N``), alternating
-``--rounds`` times so that a drift of the machine's speed touches both. From each run's ``metrics.jsonl`` it takes the target tokens per second of
-the steps after ``--warmup`` (training seconds only) and prints the median of each and the
-ratio ``ranks / one_process`` (above 1: the ranks are faster). ``make multi30k`` takes the
-faster (the Makefile says which and the figure).
+``--rounds`` times so that a drift of the machine's speed touches both. From each run's
+``metrics.jsonl`` it takes the target tokens per second of the steps after ``--warmup``
+(training seconds only) and prints the median of each and the ratio ``ranks / one_process``
+(above 1: the ranks are faster). ``make multi30k`` takes the faster (the Makefile says which and
+the figure).
 """
 
 from __future__ import annotations

@@ -145,10 +145,15 @@ def _multi30k_data(folder: Path, tests: dict[str, str] | None = None) -> Path:
     return folder
 
 
+def _make_n(data: Path, *settings: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``make -n multi30k DATA=data settings...`` (nothing runs): the commands make would run, or its refusal."""
+    argv = ["make", "-n", "multi30k", f"DATA={data}", *settings]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+
+
 def _make_multi30k(env: dict, data: Path, *settings: str) -> str:
     """The train command ``make multi30k`` would run, with ``settings`` and ``env`` (``make -n``: nothing runs)."""
-    argv = ["make", "-n", "multi30k", f"DATA={data}", *settings]
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = _make_n(data, *settings, env=env)
     assert proc.returncode == 0, proc.stderr
     (line,) = [cmd for cmd in proc.stdout.replace("\\\n", " ").splitlines() if "megaformer.cli train" in cmd]
     return " ".join(line.split())
@@ -191,12 +196,7 @@ def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_befo
     """TESTS: each set is scored from DATA, plain or gzip, into its own hypotheses; a missing one stops make first."""
     data = _multi30k_data(tmp_path, {"test_2016_flickr": ".gz", "test_2017_mscoco": ""})
     tests = "TESTS=test_2016_flickr test_2017_mscoco"
-    proc = subprocess.run(
-        ["make", "-n", "multi30k", f"DATA={data}", tests, "MINUTES=15", "M30K_GPUS=0"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    proc = _make_n(data, tests, "MINUTES=15", "M30K_GPUS=0")
     assert proc.returncode == 0, proc.stderr
     commands = " ".join(proc.stdout.replace("\\\n", " ").split())
     assert f"--test {data}/test_2016_flickr " in commands, commands
@@ -204,16 +204,9 @@ def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_befo
         assert (
             f"--input {data}/{name}.en{suffix} --ref {data}/{name}.de{suffix} --output runs/multi30k/{name}-15m.hyp"
         ) in commands, commands
-    missing = subprocess.run(
-        ["make", "-n", "multi30k", f"DATA={data}", "TESTS=test_2016_flickr test_2018_flickr"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    missing = _make_n(data, "TESTS=test_2016_flickr test_2018_flickr")
     assert missing.returncode != 0 and "megaformer.cli" not in missing.stdout, missing.stdout
     assert "has no test_2018_flickr.en test_2018_flickr.de" in missing.stderr, missing.stderr
-    nowhere = subprocess.run(
-        ["make", "-n", "multi30k", f"DATA={tmp_path / 'nowhere'}"], cwd=ROOT, capture_output=True, text=True
-    )
+    nowhere = _make_n(tmp_path / "nowhere")
     assert nowhere.returncode != 0 and "megaformer.cli" not in nowhere.stdout, nowhere.stdout
     assert f"DATA={tmp_path / 'nowhere'}: no such folder" in nowhere.stderr, nowhere.stderr
