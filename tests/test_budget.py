@@ -115,16 +115,26 @@ def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus
     sets += ["train.save_interval=0"]
     proc = train(run, 2, [*sets, "train.max_minutes=0.15"])
     ok(proc)
-    said = re.findall(r"steps expected in train.max_minutes=0.15; the warm-up ends at update ([\d,]+)", proc.stdout)
-    assert said, proc.stdout[-3000:]
+    fits = re.findall(
+        r"~([\d,]+) steps expected in train.max_minutes=0.15; the warm-up ends at update ([\d,]+)", proc.stdout
+    )
+    assert fits, proc.stdout[-3000:]
+    expected, said = (int(n.replace(",", "")) for n in fits[-1])
+    # The share of the steps the measured rate leads to expect, raised only where the run has already passed it
+    # (the lr never jumps past the peak).
+    assert said >= round(0.25 * expected) and (said == round(0.25 * expected) or len(fits) > 1), fits
     curve = losses(run)
     last = max(curve)
     (meta,) = (run / "checkpoints").glob("step-*/meta.json")
     warmup = json.loads(meta.read_text())["run"]["engine"]["warmup"]
     # Refits that move the warm-up by under 10 % are not logged; its end is, at the update it ends.
-    assert abs(warmup - int(said[-1].replace(",", ""))) <= 0.1 * int(said[-1].replace(",", "")), (warmup, said)
+    assert abs(warmup - said) <= 0.1 * said, (warmup, fits)
     assert re.findall(r"the warm-up ended at update ([\d,]+)", proc.stdout) == [f"{warmup:,}"], proc.stdout[-3000:]
-    assert 0.25 * last * 0.6 <= warmup <= 0.25 * last * 1.4, (warmup, last)  # the share of the steps reached
+    # The steps reached: the warm-up is fixed once it has ended, and a test worker sharing the 2 cores can begin
+    # heavier work after that and halve this run's rate (85 steps reached for a warm-up of 30, fitted to the ~120
+    # expected, seen once in make test), so the reached share is held within 2x either way; the fit itself is
+    # checked against the expectation it was made from above.
+    assert 0.25 * last * 0.5 <= warmup <= 0.25 * last * 2.0, (warmup, last, fits)
     for step in range(warmup, last + 1):  # after the last fit the lr is the fitted schedule's (the next update's)
         assert curve[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
     more = train(run, 2, [*sets, "train.max_minutes=0.25"])
