@@ -22,7 +22,7 @@ from train_helpers import ROOT, common, losses, ok, train
 from megaformer.config import load_config
 from megaformer.errors import ConfigError
 from megaformer.train.budget import RATE_STEPS, REFIT_EVERY, SETTLE_STEPS, BudgetPlan, compile_choice
-from megaformer.train.schedule import InverseSqrtSchedule, fitted_lr, inverse_sqrt_lr
+from megaformer.train.schedule import Cooldown, InverseSqrtSchedule, cooldown_start, fitted_lr, inverse_sqrt_lr
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -76,6 +76,22 @@ def test_the_warmup_never_exceeds_the_configured_one_nor_falls_below_the_updates
     assert max(_fits(capped, 0.1, 40).values()) == 150  # half of train.max_steps, which comes first
 
 
+def test_the_cooldown_lasts_the_steps_the_rest_of_the_time_gives_at_the_recent_rate():
+    """A slow start (compiling: 90 s over steps 6-50) does not shorten the ramp, as the mean rate would."""
+    plan = BudgetPlan(max_minutes=15, max_steps=100_000, warmup_fraction=0.2, warmup_steps=400)
+    seconds, step = 0.0, 0
+    while seconds < 0.7 * 15 * 60:  # the cool-down's 30 % of the time is left
+        step += 1
+        seconds += 0.6 + (2.0 if step <= 50 else 0.0)
+        plan.fit(step, step, seconds, None)
+    left = plan.steps_left(step, seconds)
+    assert left == pytest.approx((15 * 60 - seconds) / 0.6, rel=0.01), (left, step)
+    mean_rate = round(step * 0.3 / 0.7)  # the fallback: about a sixth fewer updates than the time gives
+    assert cooldown_start(0.3, step, 100_000, True, left) == Cooldown(step, left) and mean_rate < 0.9 * left
+    assert cooldown_start(0.3, step, 100_000, True) == Cooldown(step, mean_rate)
+    assert BudgetPlan(15, 100_000, 0.2, 400).steps_left(5, 3.0) is None  # too early to say
+
+
 def test_without_a_time_budget_or_a_fraction_nothing_is_fitted():
     assert _fits(BudgetPlan(0, 100_000, 0.2, 400), 1.0, 100) == {}
     assert _fits(BudgetPlan(15, 100_000, 0.0, 400), 1.0, 100) == {}
@@ -95,8 +111,9 @@ def test_compile_auto_follows_the_device_precision_and_budget():
     assert not chosen and "eager" in why and "without native bf16" in why
     assert compile_choice("auto", CPU, "bf16", 60, True)[0] is True
     assert compile_choice("auto", CPU, "bf16", 0, True)[0] is True  # unbounded: repaid
-    chosen, why = compile_choice("auto", CPU, "bf16", 5, True)
-    assert not chosen and "would not repay" in why
+    for minutes in (5, 15):  # +5 % of the steps does not repay ~1.5 min of compiling with an empty cache
+        chosen, why = compile_choice("auto", CPU, "bf16", minutes, True)
+        assert not chosen and "would not repay" in why, minutes
 
 
 @pytest.mark.parametrize("value", ["maybe", "2"])
@@ -203,7 +220,9 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     assert "model.dropout=0.25 " in bf16_hour and "train.cooldown_fraction=0 " in bf16_hour, bf16_hour
     # ~1,900 bf16 steps expected in 15 minutes: a peak of 2.4e-3 and the lr ramped to 0 over the last 30 % of the time
     bf16_short = _make_multi30k(dict(os.environ), data, "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=bf16")
-    assert "train.tokens_per_step=3000 --set train.lr_scale=0.768 --set train.warmup_steps=400" in bf16_short, bf16_short
+    assert "train.tokens_per_step=3000 --set train.lr_scale=0.768 --set train.warmup_steps=400" in bf16_short, (
+        bf16_short
+    )
     assert "train.cooldown_fraction=0.3 " in bf16_short and "model.dropout=0.15 " in bf16_short, bf16_short
     assert _peak_lr(bf16_short) == pytest.approx(2.4e-3, rel=1e-3), bf16_short
 

@@ -53,6 +53,10 @@ def test_cooldown_begins_when_either_budget_is_spent_to_its_fraction():
     # ... but never past max_steps, and at least one update
     assert cooldown_start(0.5, 4000, 5000, time_reached=True) == Cooldown(4000, 1000)
     assert cooldown_start(0.5, 0, 5000, time_reached=True) == Cooldown(0, 1)
+    # ... or, where measured, the updates the rest of the time gives at the recent rate: the same bounds
+    assert cooldown_start(0.2, 4000, 100_000, True, expected_left=1300) == Cooldown(4000, 1300)
+    assert cooldown_start(0.5, 4000, 5000, True, expected_left=3000) == Cooldown(4000, 1000)
+    assert cooldown_start(0.2, 4000, 100_000, True, expected_left=0) == Cooldown(4000, 1)
     assert cooldown_start(0.0, 10**6, 30, time_reached=True) is None  # off
     # the time is each rank's training seconds against (1 - fraction) of train.max_minutes
     assert not cooldown_time_reached(0.2, 47.9 * 60, 60)

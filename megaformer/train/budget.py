@@ -11,8 +11,9 @@ The expectation is the measured step rate: the training seconds the ranks have s
 (``SETTLE_STEPS`` after its start or resume: the first steps compile layers and fill
 caches). It is measured again every ``REFIT_EVERY`` steps while the run still warms up, so
 a rate that drifts moves the end of the warm-up; once the warm-up has ended it stays.
-The lr cool-down (``train.cooldown_fraction``) follows the time itself
-(:func:`megaformer.train.schedule.cooldown_start`).
+The lr cool-down (``train.cooldown_fraction``) begins when its share of the time is left and
+lasts the steps that time is expected to give at the rate of the later half of the settled
+steps (:meth:`BudgetPlan.steps_left`, :func:`megaformer.train.schedule.cooldown_start`).
 
 ``train.compile=auto`` compiles the layers where the gain has been measured to repay the
 compile time within the run (:func:`compile_choice`).
@@ -20,7 +21,7 @@ compile time within the run (:func:`compile_choice`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +40,7 @@ class BudgetPlan:
     warmup_steps: int
     _from: tuple[int, float] | None = None  # (step, seconds) where the settled rate is measured from
     _first_step: int | None = None
+    _marks: list[tuple[int, float]] = field(default_factory=list)  # (step, seconds) every REFIT_EVERY settled steps
 
     @property
     def active(self) -> bool:
@@ -50,6 +52,8 @@ class BudgetPlan:
             self._first_step = step
         if self._from is None and step >= self._first_step + SETTLE_STEPS:
             self._from = (step, seconds)
+        if self._from is not None and (step - self._from[0]) % REFIT_EVERY == 0:
+            self._marks.append((step, seconds))
 
     def expected_steps(self, step: int, seconds: float) -> int | None:
         """The steps the run will have reached when its time is spent, or None while it is too early to say."""
@@ -60,6 +64,20 @@ class BudgetPlan:
             return None
         left = max(60 * self.max_minutes - seconds, 0.0)
         return min(step + int(left * done / spent), self.max_steps)
+
+    def steps_left(self, step: int, seconds: float) -> int | None:
+        """The steps the rest of the time is expected to give at the recent rate, or None while it is too early.
+
+        The rate is that of the later half of the settled steps: the first steps after a start (compiling
+        with an empty cache can take minutes there) and an earlier load of the machine are left out.
+        """
+        if self._from is None:
+            return None
+        anchor = next((m for m in self._marks if 2 * m[0] >= self._from[0] + step), self._from)
+        done, spent = step - anchor[0], seconds - anchor[1]
+        if done < RATE_STEPS or spent <= 0:
+            return None
+        return int(max(60 * self.max_minutes - seconds, 0.0) * done / spent)
 
     def fit(self, step: int, updates: int, seconds: float, current: int | None) -> int | None:
         """The warm-up (in updates) to use from now on, or None to keep ``current`` (None: warmup_steps).
@@ -81,8 +99,10 @@ class BudgetPlan:
 
 # Measured with benchmarks/throughput.py --compile and in training runs (docs/results.md):
 # on 2 AMD EPYC cores with AVX512-BF16, bf16: compiled layers +5 % target tokens/s, ~30 s of compiling;
+# on 2 Intel Xeon cores with AMX, bf16: +4 %, and from a fresh clone (an empty compile cache, as a new user's
+# first run has) the first 50 steps took 1 min 45 s - 2 min 9 s against ~40 s eager; with the cache warm, ~20 s.
 # on 2 cores with AVX2 only, fp32: compiling took 3.5 minutes and the compiled layers were no faster.
-CPU_COMPILE_MINUTES = 0.5  # compile time on a CPU with native bf16
+CPU_COMPILE_MINUTES = 1.5  # compile time on a CPU with native bf16, cache empty (the slower machine's)
 CPU_BF16_GAIN = 0.05
 
 

@@ -51,13 +51,17 @@ def cooldown_time_reached(fraction: float, train_seconds: float, max_minutes: fl
     return fraction > 0 and max_minutes > 0 and train_seconds >= (1 - fraction) * 60 * max_minutes
 
 
-def cooldown_start(fraction: float, updates: int, max_steps: int, time_reached: bool) -> Cooldown | None:
+def cooldown_start(
+    fraction: float, updates: int, max_steps: int, time_reached: bool, expected_left: int | None = None
+) -> Cooldown | None:
     """The cool-down to begin after update ``updates``, or None while the run is not that far yet.
 
     It begins once ``1 - fraction`` of either budget is spent: of ``max_steps`` (it then
     lasts to ``max_steps``) or of the training time (``time_reached``, agreed by the
-    ranks; it then lasts as many updates as the rest of the time is expected to give at
-    the run's rate so far, ``updates x fraction / (1 - fraction)``, never past ``max_steps``).
+    ranks; it then lasts as many updates as the rest of the time is expected to give:
+    ``expected_left``, measured at the recent rate, or else at the run's mean rate so far,
+    ``updates x fraction / (1 - fraction)``, which a slow start such as compiling lowers;
+    never past ``max_steps``).
     """
     if fraction <= 0:
         return None
@@ -65,7 +69,8 @@ def cooldown_start(fraction: float, updates: int, max_steps: int, time_reached: 
     if updates >= max_steps - math.ceil(fraction * max_steps):
         return Cooldown(updates, left)
     if time_reached:
-        return Cooldown(updates, min(max(round(updates * fraction / (1 - fraction)), 1), left))
+        length = expected_left if expected_left is not None else round(updates * fraction / (1 - fraction))
+        return Cooldown(updates, min(max(length, 1), left))
     return None
 
 
