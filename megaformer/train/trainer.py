@@ -383,8 +383,8 @@ class Trainer:
         """
         t, updates = self.cfg.train, self.engine.optimizer_steps
         if self.engine.cooldown is None:
-            seconds, step = self.world_seconds, self.engine.global_steps
-            expected_left = self.budget.steps_left(step, seconds) if time_reached else None  # asked once
+            budget = self.budget
+            expected_left = budget.steps_left(self.engine.global_steps, self.world_seconds) if time_reached else None
             cooldown = cooldown_start(t.cooldown_fraction, updates, t.max_steps, time_reached, expected_left)
             if cooldown is None:
                 return False
