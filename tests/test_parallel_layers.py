@@ -26,6 +26,7 @@ from megaformer.parallel import (
     shard_full,
     vocab_parallel_cross_entropy,
 )
+from megaformer.parallel import loss as loss_module
 from megaformer.parallel.groups import TPGroup
 
 B, S, D, OUT = 3, 8, 16, 24  # S and every width divisible by 4
@@ -187,8 +188,10 @@ def _worker(tp_size: int) -> int:
         check_embedding(tp, sp)
     check_layernorm(tp)
     check_comm_pairs(tp)
-    for smoothing in (0.0, 0.1):
-        check_loss(tp, smoothing)
+    for block in (loss_module.CPU_BLOCK_ELEMENTS, 100):  # one block of rows, then one row a block
+        loss_module.CPU_BLOCK_ELEMENTS = block
+        for smoothing in (0.0, 0.1):
+            check_loss(tp, smoothing)
     ctx.destroy()
     for failure in FAILURES:
         print(f"rank {ctx.rank} (tp={tp_size}): {failure}", flush=True)
@@ -218,10 +221,14 @@ def test_fp64_loss_is_computed_in_fp64(smoothing):
     assert (logits.grad[:, :vocab] - ref_logits.grad).abs().max().item() <= 1e-14
 
 
+@pytest.mark.parametrize("block", [None, 2100])  # all 48 rows in one block; 7 rows a block, the last one 6
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_loss_of_half_precision_logits_is_fp32_with_one_full_size_buffer(dtype):
+def test_loss_of_half_precision_logits_is_fp32_with_one_full_size_buffer(dtype, block, monkeypatch):
     """bf16/fp16 logits: loss and gradient as F.cross_entropy of their fp32 values; one (N, V) tensor saved, fp32."""
     from megaformer.parallel import LOCAL
+
+    if block:
+        monkeypatch.setattr(loss_module, "CPU_BLOCK_ELEMENTS", block)
 
     vocab, n = 300, 48
     logits = (torch.randn(n, 320, generator=torch.Generator().manual_seed(5)) * 4).to(dtype).requires_grad_()
