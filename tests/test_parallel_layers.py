@@ -6,6 +6,8 @@ A mismatch is recorded, not raised, so that every check still runs its collectiv
 every rank (no rank is left waiting) and the test reports every failure, not the first.
 """
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,6 +158,20 @@ def check_comm_pairs(tp: TPGroup) -> None:
     close(z, shard_full(x.detach(), 2, 1, tp), "scatter_to_tp")
 
 
+# The loss's passes in their CPU form with all rows in one block, in that form with a few
+# rows a block (the tests' shapes are far below the real block size), and in the form a GPU
+# runs (one pass a kernel, mixed-dtype element-wise ops), run here on the CPU.
+LOSS_FORMS = ["cpu", "cpu-blocks", "gpu"]  # in this order: a form keeps what the one before set
+
+
+def _use_loss_form(form: str, setattr_) -> None:
+    """Make the loss take ``form`` (one of LOSS_FORMS) through ``setattr_(name, value)`` on its module."""
+    if form == "cpu-blocks":
+        setattr_("CPU_BLOCK_ELEMENTS", 100)  # 1-3 rows a block at these widths
+    if form == "gpu":
+        setattr_("_cpu_form", lambda device: False)
+
+
 def check_loss(tp: TPGroup, smoothing: float) -> None:
     vocab, padded, pad = 50, 64, 0
     n = 20
@@ -188,8 +204,8 @@ def _worker(tp_size: int) -> int:
         check_embedding(tp, sp)
     check_layernorm(tp)
     check_comm_pairs(tp)
-    for block in (loss_module.CPU_BLOCK_ELEMENTS, 100):  # one block of rows, then one row a block
-        loss_module.CPU_BLOCK_ELEMENTS = block
+    for form in LOSS_FORMS:
+        _use_loss_form(form, lambda name, value: setattr(loss_module, name, value))
         for smoothing in (0.0, 0.1):
             check_loss(tp, smoothing)
     ctx.destroy()
@@ -203,10 +219,13 @@ def test_parallel_layers_match_torch(tp):
     assert spawn(_worker, tp, tp) == 0
 
 
+@pytest.mark.parametrize("form", LOSS_FORMS)
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_fp64_loss_is_computed_in_fp64(smoothing):
+def test_fp64_loss_is_computed_in_fp64(smoothing, form, monkeypatch):
     """fp64 logits keep fp64 through the loss and its gradient (fp64 parity checks rely on it)."""
     from megaformer.parallel import LOCAL
+
+    _use_loss_form(form, partial(monkeypatch.setattr, loss_module))
 
     vocab, n = 50, 20
     logits = (torch.randn(n, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3).requires_grad_()
@@ -221,14 +240,13 @@ def test_fp64_loss_is_computed_in_fp64(smoothing):
     assert (logits.grad[:, :vocab] - ref_logits.grad).abs().max().item() <= 1e-14
 
 
-@pytest.mark.parametrize("block", [None, 2100])  # all 48 rows in one block; 7 rows a block, the last one 6
+@pytest.mark.parametrize("form", LOSS_FORMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_loss_of_half_precision_logits_is_fp32_with_one_full_size_buffer(dtype, block, monkeypatch):
+def test_loss_of_half_precision_logits_is_fp32_with_one_full_size_buffer(dtype, form, monkeypatch):
     """bf16/fp16 logits: loss and gradient as F.cross_entropy of their fp32 values; one (N, V) tensor saved, fp32."""
     from megaformer.parallel import LOCAL
 
-    if block:
-        monkeypatch.setattr(loss_module, "CPU_BLOCK_ELEMENTS", block)
+    _use_loss_form(form, partial(monkeypatch.setattr, loss_module))
 
     vocab, n = 300, 48
     logits = (torch.randn(n, 320, generator=torch.Generator().manual_seed(5)) * 4).to(dtype).requires_grad_()
@@ -248,10 +266,13 @@ def test_loss_of_half_precision_logits_is_fp32_with_one_full_size_buffer(dtype, 
     assert (logits.grad[:, :vocab].float() - ref_logits.grad).abs().max().item() <= step
 
 
+@pytest.mark.parametrize("form", LOSS_FORMS)
 @pytest.mark.parametrize("dtype, spread", [(torch.float32, 60.0), (torch.float64, 600.0)])
-def test_loss_of_logits_whose_probabilities_underflow(dtype, spread):
+def test_loss_of_logits_whose_probabilities_underflow(dtype, spread, form, monkeypatch):
     """Most of the vocabulary below the dtype's smallest normal probability: loss and gradient as F.cross_entropy's."""
     from megaformer.parallel import LOCAL
+
+    _use_loss_form(form, partial(monkeypatch.setattr, loss_module))
 
     vocab, n = 1000, 32
     g = torch.Generator().manual_seed(5)

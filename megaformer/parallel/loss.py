@@ -38,12 +38,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     # The (tokens, V / p) logits are by far the largest tensors of the step, so every
     # full pass over them counts. The padded columns (a suffix of the last ranks' slices)
     # are left out through views; the one buffer of the logits' size, in fp32, holds
-    # exp(z - m) and then becomes the gradient. On a CPU the passes run over blocks of
-    # rows that stay in the core's cache, so widening bf16 logits to fp32, shifting,
-    # flooring, exp and the sums cost one trip to memory instead of six. The softmax
-    # is never divided out in forward: backward scales each row by g / S as it writes
-    # the gradient, with per-row factors in separate passes (``mul_`` then ``add_``
-    # vectorise; ``addcmul`` with two per-row operands does not, 4x slower on a CPU).
+    # exp(z - m) and then becomes the gradient. The softmax is never divided out in
+    # forward: backward scales each row by g / S as it writes the gradient.
+    #
+    # The passes take two forms (``_cpu_form``). On a GPU each is one kernel over all
+    # rows, reading bf16 logits and writing the bf16 gradient in the kernel that
+    # computes them (mixed-dtype element-wise ops cast as they load and store). A CPU
+    # converts the operand of a mixed-dtype op in a pass of its own, and its ``addcmul``
+    # with two per-row operands does not vectorise (4x slower than ``mul_`` + ``add_``):
+    # there the passes run over blocks of rows that stay in the core's cache, bf16
+    # logits are widened once into the block, and the gradient is scaled in place and
+    # then narrowed, so the forward's six passes cost about one trip to memory.
 
     @staticmethod
     def forward(saved, logits, target, tp: TPGroup, vocab_size: int, smoothing: float, ignore_index: int):
@@ -68,12 +73,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats[1] = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).to(compute).masked_fill(~in_range, 0.0)
         floor = math.log(torch.finfo(compute).tiny) + 1.0  # exp(floor) is a normal number: the fast path
         exp = torch.empty((n, local), dtype=compute, device=logits.device)
-        for rows in _row_blocks(n, real_cols, logits.device):
+        cpu_form = _cpu_form(logits.device)
+        for rows in _row_blocks(n, real_cols, cpu_form):
             e, zr = exp[rows, :real_cols], z[rows]
-            if zr.dtype != compute:  # widened once, into the block of the buffer
+            if cpu_form and zr.dtype != compute:  # widened once, into the block of the buffer
                 zr = e.copy_(zr)
             if smoothing > 0:
-                torch.sum(zr, -1, out=stats[2, rows])
+                torch.sum(zr, -1, dtype=compute, out=stats[2, rows])
             torch.sub(zr, m[rows].unsqueeze(-1), out=e).clamp_min_(floor).exp_()
             torch.sum(e, -1, out=stats[0, rows])
         if tp.size > 1:
@@ -97,15 +103,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = grad_loss * keep  # (N,)
         # The gradient is (softmax - (1 - eps) onehot(t)) g - eps g / V over the real columns,
         # written as (exp - (1 - eps) S onehot(t)) (g / S) - eps g / V: the target column
-        # first, in the compute dtype (g first: a python float times a bool tensor would be
-        # fp32, rounding (1 - eps) for fp64 logits), then one scaling pass per block.
+        # first, in the compute dtype (sum_exp first: a python float times a bool tensor
+        # would be fp32, rounding (1 - eps) for fp64 logits), then the scaling pass.
         exp.scatter_add_(-1, local_t.unsqueeze(-1), (sum_exp * in_range * -(1.0 - eps)).unsqueeze(-1))
         scale = (g / sum_exp).unsqueeze(-1)
         shift = (g * (-eps / saved.vocab_size)).unsqueeze(-1)
         # fp32/fp64 logits take the buffer itself as their gradient (backward runs once)
         grad = exp if exp.dtype == saved.dtype else torch.empty(exp.shape, dtype=saved.dtype, device=exp.device)
-        for rows in _row_blocks(exp.shape[0], real_cols, exp.device):
-            block = exp[rows, :real_cols].mul_(scale[rows])
+        cpu_form = _cpu_form(exp.device)
+        for rows in _row_blocks(exp.shape[0], real_cols, cpu_form):
+            block = exp[rows, :real_cols]
+            if not cpu_form:  # one kernel: read fp32, write the logits' dtype
+                torch.addcmul(shift[rows], block, scale[rows], out=grad[rows, :real_cols])
+                continue
+            block.mul_(scale[rows])
             if eps > 0:
                 block.add_(shift[rows])
             if grad is not exp:
@@ -114,13 +125,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _row_blocks(rows: int, cols: int, device: torch.device) -> Iterator[slice]:
-    """Blocks of rows for the loss's passes: of ~1 MiB of fp32 on a CPU (a core's L2 holds it), all rows elsewhere.
+def _cpu_form(device: torch.device) -> bool:
+    """Whether the loss's passes take their CPU form (blocks in cache, widening and scaling in passes of their own)."""
+    return device.type == "cpu"
+
+
+def _row_blocks(rows: int, cols: int, cpu_form: bool) -> Iterator[slice]:
+    """Blocks of rows for the loss's passes: of ~1 MiB of fp32 in the CPU form (a core's L2 holds it), else all rows.
 
     A GPU streams each pass at memory speed whatever its size, and a kernel launch a block
     would only add to its host time.
     """
-    if device.type != "cpu":
+    if not cpu_form:
         yield slice(0, rows)
         return
     step = max(1, CPU_BLOCK_ELEMENTS // max(cols, 1))
