@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
-    print(f"{args.tokens} tokens x {args.vocab} logits, {args.dtype}, label smoothing 0.1, forward + backward, one thread")
+    print(
+        f"{args.tokens} tokens x {args.vocab} logits, {args.dtype}, label smoothing 0.1, forward + backward, one thread"
+    )
     print(f"{'logits':10s} {'below tiny':>10s} {'megaformer ms':>14s} {'F.cross_entropy ms':>19s} {'ratio':>6s}")
     for name in SPREADS:
         row = r[name]
