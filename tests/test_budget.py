@@ -138,8 +138,10 @@ def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus
     assert fits, proc.stdout[-3000:]
     expected, said = (int(n.replace(",", "")) for n in fits[-1])
     # The share of the steps the measured rate leads to expect, raised only where the run has already passed it
-    # (the lr never jumps past the peak).
-    assert said >= round(0.25 * expected) and (said == round(0.25 * expected) or len(fits) > 1), fits
+    # (the lr never jumps past the peak): then to the next update after the fitting step, a multiple of
+    # REFIT_EVERY (a loaded machine can settle the rate late: 21 for 0.25 x 77 once in make test).
+    share = round(0.25 * expected)
+    assert said == share or (said > share and (said - 1) % REFIT_EVERY == 0), fits
     curve = losses(run)
     last = max(curve)
     (meta,) = (run / "checkpoints").glob("step-*/meta.json")
