@@ -1,4 +1,4 @@
-"""Large CPU tensors in transparent huge pages: the CLI's default, what it saves, and what the log says."""
+"""The CLI's defaults for the CPU: large tensors in transparent huge pages, oneDNN's kernels kept; what they save."""
 
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megaformer.cli import host_memory_defaults
+from megaformer.cli import host_memory_defaults, kernel_cache_defaults
 from megaformer.train.device import host_memory, kernel_thp_mode
 
 # Allocates and frees a 64 MiB tensor five times and prints the page faults per allocation.
@@ -43,6 +43,47 @@ def test_the_cli_default_leaves_the_users_setting_alone():
     env = {"THP_MEM_ALLOC_ENABLE": "0"}
     host_memory_defaults(env)
     assert env == {"THP_MEM_ALLOC_ENABLE": "0"}
+
+
+# bf16 matmuls of 1,040 shapes (more than the 1,024 primitives oneDNN keeps by default),
+# twice; oneDNN prints a line for each primitive it creates (profile_create).
+_SHAPES = """
+import torch
+torch.set_num_threads(1)
+w = torch.ones(64, 64, dtype=torch.bfloat16)
+for _ in range(2):
+    print("round", flush=True)
+    for rows in range(1, 1041):
+        torch.ones(rows, 64, dtype=torch.bfloat16) @ w
+"""
+
+
+def _kernels_created(extra: dict[str, str]) -> tuple[int, int]:
+    """oneDNN's primitive-cache misses in the first and the second round of ``_SHAPES``."""
+    env = {"PATH": "/usr/bin:/bin", "ONEDNN_VERBOSE": "profile_create", **extra}
+    out = subprocess.run([sys.executable, "-c", _SHAPES], capture_output=True, text=True, check=True, env=env).stdout
+    first, second = out.split("round\n")[1:]
+    return first.count("create:cache_miss"), second.count("create:cache_miss")
+
+
+def test_onednn_keeps_the_kernels_of_every_shape_it_met_under_the_cli_default():
+    first, default = _kernels_created({})
+    if first == 0:
+        pytest.skip("torch runs bf16 matmuls without oneDNN on this CPU (no AVX512-BF16 or AMX)")
+    env: dict[str, str] = {}
+    kernel_cache_defaults(env)
+    _, kept = _kernels_created(env)
+    assert first >= 1000 and default == first  # 1,024 kept: each shape was evicted before it came round again
+    assert kept == 0, kept
+
+
+def test_the_kernel_cache_default_leaves_the_users_setting_alone():
+    env: dict[str, str] = {}
+    kernel_cache_defaults(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16384"}
+    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
+    kernel_cache_defaults(env)
+    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
 
 
 @pytest.mark.parametrize(
