@@ -116,15 +116,16 @@ def kernel_cache_defaults(environ: dict[str, str] = os.environ) -> None:
     """oneDNN keeps the kernels of 16,384 matmul shapes (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) unless the environment says otherwise.
 
     On a CPU with AVX512-BF16 or AMX, torch runs bf16 matmuls through oneDNN, which
-    generates a kernel (a primitive) for each shape it meets (a median 3 ms on one thread,
-    a tenth of them over 17 ms) and keeps the last 1,024. A translation batch's shapes change with its sentences'
-    lengths: a Multi30k rank meets ~120 new (batch, source, target) shapes an epoch, ~40
-    primitives each (the linears' forward and two backward matmuls, attention's batched
-    ones), so the default cache is emptied within a few steps and every step created ~17
-    primitives again: 121 ms of a ~500 ms step (``ONEDNN_VERBOSE=profile_create``, 200
-    steps). With room for 16,384 the shapes seen once stay: after the first epoch ~1.5
-    misses a step remain. oneDNN reads the variable at its first primitive, so it is set
-    here, before any command imports torch; ranks inherit it. A GPU run never uses it.
+    generates a kernel (a primitive) for each shape it meets (milliseconds each on one
+    thread) and keeps the last 1,024. A translation batch's shapes change with its
+    sentences' lengths: a Multi30k rank meets ~120 new (batch, source, target) shapes an
+    epoch, ~40 primitives each (the linears' forward and two backward matmuls, attention's
+    batched ones), so the default cache was emptied within a few steps and every step
+    created ~17 primitives again (``ONEDNN_VERBOSE=profile_create``: 6,857 in 200 steps of
+    2 ranks). With room for 16,384 the shapes seen once stay: after the first epoch ~1.4
+    a step remain, and the run trained 1.06-1.27x the target tokens/s. oneDNN reads the
+    variable at its first primitive, so it is set here, before any command imports
+    torch; ranks inherit it. A GPU run never uses it.
     """
     environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
 
