@@ -36,13 +36,20 @@ def test_huge_pages_fault_a_freed_and_reallocated_tensor_in_far_fewer_times():
     assert huge < 0.1 * pages, (small, huge)  # 2 MiB pages: 512 times fewer, where the kernel has them
 
 
-def test_the_cli_default_leaves_the_users_setting_alone():
+@pytest.mark.parametrize(
+    "defaults, variable, value, users",
+    [
+        (host_memory_defaults, "THP_MEM_ALLOC_ENABLE", "1", "0"),
+        (kernel_cache_defaults, "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384", "1024"),
+    ],
+)
+def test_the_cli_defaults_leave_the_users_setting_alone(defaults, variable, value, users):
     env: dict[str, str] = {}
-    host_memory_defaults(env)
-    assert env == {"THP_MEM_ALLOC_ENABLE": "1"}
-    env = {"THP_MEM_ALLOC_ENABLE": "0"}
-    host_memory_defaults(env)
-    assert env == {"THP_MEM_ALLOC_ENABLE": "0"}
+    defaults(env)
+    assert env == {variable: value}
+    env = {variable: users}
+    defaults(env)
+    assert env == {variable: users}
 
 
 # bf16 matmuls of 1,040 shapes (more than the 1,024 primitives oneDNN keeps by default),
@@ -75,15 +82,6 @@ def test_onednn_keeps_the_kernels_of_every_shape_it_met_under_the_cli_default():
     _, kept = _kernels_created(env)
     assert first >= 1000 and default == first  # 1,024 kept: each shape was evicted before it came round again
     assert kept == 0, kept
-
-
-def test_the_kernel_cache_default_leaves_the_users_setting_alone():
-    env: dict[str, str] = {}
-    kernel_cache_defaults(env)
-    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16384"}
-    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
-    kernel_cache_defaults(env)
-    assert env == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
 
 
 @pytest.mark.parametrize(
