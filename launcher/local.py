@@ -38,6 +38,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import util as mp_util
 from multiprocessing.reduction import DupFd
 from typing import Any
 
@@ -124,6 +125,11 @@ def _entry(
         errors.put((time.time(), rank, *report))
     errors.close()
     errors.join_thread()
+    # os._exit skips the interpreter's exit and so multiprocessing's finalizers: a semaphore a
+    # library made in this rank and kept (tqdm's lock, made when dynamo traces a layer) would stay
+    # registered, and the resource tracker would print a "leaked semaphore" warning at shutdown.
+    # Python's own exit runs these first (multiprocessing.util._exit_function).
+    mp_util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code or 0))

@@ -128,6 +128,28 @@ def test_first_failing_rank_is_the_last_line(capfd):
     assert "Traceback" not in err  # the peers' connection errors are one line each
 
 
+_KEPT: list = []
+
+
+def _keep_a_process_lock() -> int:
+    """What tqdm does when dynamo traces a layer: a multiprocessing lock made and kept for the process's life."""
+    import multiprocessing
+
+    _KEPT.append(multiprocessing.RLock())
+    return 0
+
+
+def test_a_lock_a_rank_keeps_is_released_when_it_exits():
+    """Ranks end with os._exit; the resource tracker warned of each kept lock as a leaked semaphore."""
+    launch = "import sys; from launcher.local import spawn; import test_launcher as t; sys.exit(spawn(t._keep_a_process_lock, 2))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", launch], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_exit_status_is_the_first_reporters_when_peers_exit_in_the_same_poll():
     """Rank 1 failed first (status 2); rank 0 lost its peer (1) and exited within the same poll."""
     reports = [(10.2, 0, "RuntimeError: Connection closed by peer", "..."), (10.0, 1, "error: bad", "error: bad")]
