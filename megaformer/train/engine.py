@@ -16,6 +16,9 @@ is what makes checkpoints independent of the DP size and ZeRO stage.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +49,11 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 # DeepSpeed's ZeRO calls a torch collective that torch marks deprecated, once per rank and
 # run; the warning is not the user's to act on. Silenced only around DeepSpeed's own calls.
 _DEEPSPEED_NOISE = r".*all_gather_into_tensor.* is deprecated"
+# The memory reports DeepSpeed's bf16 optimizer prints as rank 0 builds it (forced: no setting turns
+# them off): a heading, the accelerator's "MA ... GB" line and the host's "CPU Virtual Memory" line, four times.
+_MEMORY_REPORT = re.compile(
+    r"(begin|end) bf16_ ?optimizer|(before|after) initializing group \d+|MA [\d.]+ GB .*|CPU Virtual Memory: .*"
+)
 LOSS_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
@@ -351,6 +359,9 @@ def _without_shm_op():
 
 def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine:
     """Wrap ``model`` (already on ``ctx.device``) in a DeepSpeed engine configured from ``cfg``."""
+    if ctx.device.type == "cpu":
+        # Before DeepSpeed's first import, which otherwise looks for a GPU and warns that it found none.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
@@ -364,7 +375,7 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
     schedule = InverseSqrtSchedule(cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     fp16_on_cpu = cfg.train.precision == "fp16" and ctx.device.type == "cpu"
-    with _fp16_allowed_on_cpu() if fp16_on_cpu else contextlib.nullcontext():
+    with _fp16_allowed_on_cpu() if fp16_on_cpu else contextlib.nullcontext(), _memory_reports_dropped():
         ds, _, _, _ = deepspeed.initialize(
             args=_device_args(ctx.device),
             model=model,
@@ -374,6 +385,22 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
             mpu=ModelParallelUnit(ctx),
         )
     return Engine(ds=ds, accumulation=ds_config["gradient_accumulation_steps"], ctx=ctx)
+
+
+@contextlib.contextmanager
+def _memory_reports_dropped() -> Iterator[None]:
+    """What DeepSpeed prints while the block runs, less its bf16 optimizer's memory reports (12 lines a start).
+
+    Its logger's records are not held back: its handler writes to the stream it was made with.
+    """
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        kept = [line for line in printed.getvalue().splitlines() if not _MEMORY_REPORT.fullmatch(line.strip())]
+        if kept:
+            print("\n".join(kept), flush=True)
 
 
 def _device_args(device: torch.device) -> SimpleNamespace | None:

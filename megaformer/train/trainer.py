@@ -141,7 +141,7 @@ class Trainer:
             self.log(f"train: pipeline of {ctx.pp_size} stages: " + "; ".join(p.describe() for p in self.stages))
         self.log(
             f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} pp={ctx.pp_size} "
-            f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batches of <= "
+            f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batch{'es' * (self.feed.accumulation > 1)} of <= "
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data streams, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
