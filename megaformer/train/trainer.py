@@ -414,10 +414,16 @@ class Trainer:
         self.engine.set_warmup(fitted)
         if said is None or abs(fitted - said) > 0.1 * said:
             self._warmup_said = fitted
+            t = self.cfg.train
             expected = self.budget.expected_steps(step, self.world_seconds)
+            bound = (
+                f"train.max_steps={t.max_steps:,}"
+                if expected == t.max_steps
+                else f"train.max_minutes={t.max_minutes:g}"
+            )
             self.log(
-                f"train: train.warmup_fraction={self.cfg.train.warmup_fraction:g}: ~{expected:,} steps expected in "
-                f"train.max_minutes={self.cfg.train.max_minutes:g}; the warm-up ends at update {fitted:,}"
+                f"train: train.warmup_fraction={t.warmup_fraction:g}: ~{expected:,} steps expected in {bound}; "
+                f"the warm-up ends at update {fitted:,}"
             )
 
     def _cooled(self) -> bool:
