@@ -324,12 +324,16 @@ def test_sequence_parallel_trains_what_tp1_trains_and_validates_any_length(corpu
 
 
 def test_bf16_trains(corpus, tmp_path):
-    """And its log is megaformer's: DeepSpeed's memory reports (12 lines) and its "no GPU found" warning are left out."""
+    """And its log is megaformer's: DeepSpeed's memory reports (12 lines) and its "no GPU found" warning are left out.
+
+    DS_ACCELERATOR, which the suite sets for every test (conftest.py), is unset here as a user's shell leaves it.
+    """
     run = tmp_path / "run"
     result = train(
         run,
         1,
         common(corpus) + ["train.precision=bf16", "train.zero_stage=1", "train.max_steps=25", "train.save_interval=0"],
+        extra_env={"DS_ACCELERATOR": None},
     )
     ok(result)
     assert falling(losses(run))
