@@ -359,13 +359,10 @@ def _without_shm_op():
 
 def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine:
     """Wrap ``model`` (already on ``ctx.device``) in a DeepSpeed engine configured from ``cfg``."""
-    if ctx.device.type == "cpu":
-        # Before DeepSpeed's first import, which otherwise looks for a GPU and warns that it found none.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _use_accelerator_of(ctx.device)
     import deepspeed
 
     ds_config = deepspeed_config(cfg, ctx.dp_size, accumulation, ctx.device.type)
-    _use_accelerator_of(ctx.device)
     with _without_shm_op():
         deepspeed.init_distributed(
             dist_backend=ctx.backend if ctx.backend != "none" else "gloo", auto_mpi_discovery=False, verbose=False
@@ -410,7 +407,12 @@ def _device_args(device: torch.device) -> SimpleNamespace | None:
 
 
 def _use_accelerator_of(device: torch.device) -> None:
-    """DeepSpeed picks CUDA whenever it is visible; a run on the CPU (gloo) must tell it, before it builds anything."""
+    """DeepSpeed picks CUDA whenever it is visible; a run on the CPU (gloo) must tell it, before it builds anything.
+
+    Told before DeepSpeed's first import too, which otherwise looks for a GPU and warns that it found none.
+    """
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
     if device.type == "cpu" and get_accelerator().device_name() != "cpu":
