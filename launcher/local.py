@@ -44,9 +44,25 @@ from typing import Any
 
 
 def free_port() -> int:
+    """A port free now; another process may take it before it is used (:func:`reserve_port` holds one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reserve_port() -> socket.socket:
+    """A socket bound to a free port of 127.0.0.1, holding it for the ranks' rendezvous until closed.
+
+    Bound with SO_REUSEADDR and not listening: no other bind and no outgoing connection is
+    given the port, while rank 0's TCPStore, which binds with SO_REUSEADDR too (torch's
+    libuv and legacy servers alike), can listen on it. A port only chosen (bound, then
+    closed) was taken in the seconds before rank 0 bound it, by one of the many connections
+    gloo opens, in a suite of concurrent runs: the ranks failed with EADDRINUSE.
+    """
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 # What the fork server imports once, so that no rank imports it again: torch, and
@@ -161,7 +177,8 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     ``timeout_s`` the ranks still running then are stopped (status 124).
     """
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    port = free_port()
+    held = reserve_port()  # until every rank has exited
+    port = held.getsockname()[1]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     errors = ctx.Queue()
@@ -205,6 +222,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             if p.is_alive():
                 p.kill()
                 p.join()
+        held.close()
     codes = [p.exitcode for p in procs]
     reports = []
     while True:

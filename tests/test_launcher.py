@@ -317,3 +317,49 @@ def _destroy_keeps_callers_world() -> int:
 
 def test_destroy_ends_only_what_the_context_created():
     assert spawn(_destroy_keeps_callers_world, 2, timeout_s=240) == 0
+
+
+def _meet_on_a_held_port() -> int:
+    """No one else can bind the rendezvous port before rank 0's store does; the ranks still meet on it."""
+    import errno
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+            return 3  # the port was free for anyone to take until rank 0 binds it
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return 0 if t.item() == 2 else 4
+
+
+def test_the_rendezvous_port_is_held_until_the_ranks_exit():
+    """A port only chosen (bound, then closed) was taken by another run's connection before rank 0 bound it."""
+    assert spawn(_meet_on_a_held_port, 2, timeout_s=240) == 0
+
+
+def test_one_process_needs_no_free_port(monkeypatch):
+    """DeepSpeed's process group of a single process meets no one: a MASTER_PORT in use does not stop it."""
+    import socket
+
+    from megaformer.config import ParallelConfig
+    from megaformer.parallel.groups import ParallelContext
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        ctx = ParallelContext.initialize(ParallelConfig(backend="gloo"), 0, 1, single_process_group=True)
+        try:
+            assert ctx.owns_world and ctx.dp_group is not None
+        finally:
+            ctx.destroy()

@@ -180,7 +180,7 @@ class ParallelContext:
         ``init_method`` defaults to ``env://`` (MASTER_ADDR / MASTER_PORT), which every
         launcher in ``launcher/`` sets. The layout is validated before any group exists.
         One process gets no process group unless ``single_process_group`` (DeepSpeed
-        needs one even then). A collective that waits longer than ``timeout_s`` (default
+        needs one even then; it meets no one, so it takes an in-process store, not a port). A collective that waits longer than ``timeout_s`` (default
         ``parallel.timeout_minutes``) fails instead of hanging. The ranks' host names are
         gathered once, and a TP group spanning nodes is refused (:func:`check_tp_within_nodes`).
         """
@@ -195,9 +195,14 @@ class ParallelContext:
         if owns_world:
             timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else 60 * cfg.timeout_minutes)
             try:
-                dist.init_process_group(
-                    backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
-                )
+                if world_size == 1 and init_method is None:
+                    # A world of one meets no one: an in-process store, not a TCP port, which another
+                    # process could take between the port's choice and the store's bind (EADDRINUSE).
+                    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+                else:
+                    dist.init_process_group(
+                        backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
+                    )
             except (dist.DistStoreError, dist.DistNetworkError) as err:
                 raise ConfigError(_no_rendezvous(rank, world_size, init_method, err)) from None
         hosts: list[str | None] = [None] * world_size

@@ -91,12 +91,11 @@ def launch_scope() -> Iterator[None]:
 
 def launch(cfg: Config, run_dir: str, world: int, resume: str, other_tokenizer: bool, under_launcher: bool) -> int:
     """Train ``cfg`` into ``run_dir``: as one rank of a launcher's (``under_launcher``), or with ``world`` local ranks."""
-    from launcher.local import free_port, spawn
+    from launcher.local import spawn
 
     if under_launcher:
         return rank_main(cfg, run_dir, resume, other_tokenizer)
     with run_lock(run_dir):  # before anything is written into the run directory
         if world > 1:
             return spawn(rank_main, world, cfg, run_dir, resume, other_tokenizer, True)
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         return rank_main(cfg, run_dir, resume, other_tokenizer, True)
