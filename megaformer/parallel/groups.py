@@ -194,17 +194,7 @@ class ParallelContext:
         owns_world = not dist.is_initialized()
         if owns_world:
             timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else 60 * cfg.timeout_minutes)
-            try:
-                if world_size == 1 and init_method is None:
-                    # A world of one meets no one: an in-process store, not a TCP port, which another
-                    # process could take between the port's choice and the store's bind (EADDRINUSE).
-                    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-                else:
-                    dist.init_process_group(
-                        backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
-                    )
-            except (dist.DistStoreError, dist.DistNetworkError) as err:
-                raise ConfigError(_no_rendezvous(rank, world_size, init_method, err)) from None
+            _start_world(backend, init_method, rank, world_size, timeout)
         hosts: list[str | None] = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname())
         check_tp_within_nodes(layout, hosts)
@@ -239,6 +229,23 @@ class ParallelContext:
         for group in self.groups:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
+
+
+def _start_world(
+    backend: str, init_method: str | None, rank: int, world_size: int, timeout: datetime.timedelta
+) -> None:
+    """``torch.distributed``'s default group; ranks that never meet raise a one-line ConfigError."""
+    try:
+        if world_size == 1 and init_method is None:
+            # A world of one meets no one: an in-process store, not a TCP port, which another
+            # process could take between the port's choice and the store's bind (EADDRINUSE).
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
+            )
+    except (dist.DistStoreError, dist.DistNetworkError) as err:
+        raise ConfigError(_no_rendezvous(rank, world_size, init_method, err)) from None
 
 
 def _no_rendezvous(rank: int, world_size: int, init_method: str | None, err: Exception) -> str:
