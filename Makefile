@@ -49,12 +49,15 @@ M30K_STEPS := $(shell awk 'BEGIN { print $(MINUTES) * $(M30K_RATE) }')
 M30K_SHORT := $(shell awk 'BEGIN { print ($(M30K_STEPS) < 1000) ? "yes" : "" }')
 M30K_DROPOUT := $(if $(M30K_SHORT),0.1,$(shell awk 'BEGIN { print ($(M30K_STEPS) < 3600) ? 0.15 : 0.25 }'))
 # A run expected to reach under 1,000 steps of 3,000 tokens (a short fp32 run) learns fastest from steps of 1,000
-# tokens, dropout 0.1 and a peak lr of 1.1e-3 (lr_scale 0.352) instead of 1.6e-3: at equal tokens (1.05M, ~an
-# AVX2-only EPYC's 12 minutes), valid BLEU 24.02 against 15.40 for the 60-minute settings at 1,500-token steps
-# (docs/results.md, 2026-12-04, each part measured alone too).
+# tokens, dropout 0.1 and pre-LN layers (model.norm=pre) warmed up to a peak lr of 2.2e-3 (lr_scale 0.704). Post-LN
+# at equal tokens (1.05M, ~an AVX2-only EPYC's 12 minutes): valid BLEU 24.02 at 1.1e-3 against 15.40 for the
+# 60-minute settings at 1,500-token steps (docs/results.md, 2026-12-04). 1,000 steps of 1,000 tokens, the last 5
+# averaged, valid: pre-LN 27.46 at 2.2e-3, 26.50 at 1.1e-3, 17.27 at 3.3e-3; post-LN at 1.1e-3 21.89, and 21.07 with
+# the lr ramped to 0 over the last 30 % (2026-12-05 (fp32)). Marian has no pre-LN layers: this model exports to
+# safetensors and .pt, not to Hugging Face or CTranslate2 (megaformer export says so in one line).
 # A longer fp32 run (60 minutes on an AVX2-only CPU: ~1,550 steps of 3,000 tokens) takes steps of 1,000 tokens
-# at that lr too, with dropout 0.15: in an AVX2-only CPU's hour, emulated, valid 37.18 against 36.68 for steps
-# of 1,500 and 36.31 for 3,000 at 1.6e-3 (docs/results.md, 2026-12-05). bf16 and GPU runs keep 3,000 tokens
+# too, post-LN at 1.1e-3, with dropout 0.15: in an AVX2-only CPU's hour, emulated, valid 37.18 against 36.68 for
+# steps of 1,500 and 36.31 for 3,000 at 1.6e-3 (docs/results.md, 2026-12-05). bf16 and GPU runs keep 3,000 tokens
 # and 1.6e-3.
 # Such a run (~5,000 steps) also warms up longer, over a fifth of its steps up to 1,000 instead of 400, to the same
 # peak (lr_scale 0.5566 at warmup_steps 1000 is 1.1e-3), so the lr decays from later: ~0.45 of the peak at the end
@@ -72,7 +75,8 @@ M30K_LONG_FP32 := $(if $(M30K_SHORT),,$(filter fp32,$(M30K_PRECISION)))
 M30K_COOL := $(if $(M30K_ON_GPU),,$(if $(filter bf16,$(M30K_PRECISION)),$(shell awk 'BEGIN { print ($(M30K_STEPS) < 3600) ? "yes" : "" }')))
 M30K_COOLDOWN := $(if $(M30K_COOL),0.3,0)
 M30K_TOKENS := $(if $(M30K_SMALL_STEPS),1000,3000)
-M30K_LR_SCALE := $(if $(M30K_LONG_FP32),0.5566,$(if $(M30K_SMALL_STEPS),0.352,$(if $(M30K_COOL),0.768,0.512)))
+M30K_LR_SCALE := $(if $(M30K_LONG_FP32),0.5566,$(if $(M30K_SHORT),0.704,$(if $(M30K_COOL),0.768,0.512)))
+M30K_NORM := $(if $(M30K_SHORT),pre,post)
 M30K_WARMUP := $(if $(M30K_LONG_FP32),1000,400)
 # Two data-parallel ranks of one thread on a 2-core CPU: they split the validation decoding. One process of 2
 # threads trained fp32 steps of 1,000 tokens 1.10x as fast in benchmarks/cpu_processes.py (AVX2 kernels), but
@@ -120,7 +124,7 @@ multi30k: install
 	$(if $(M30K_MISSING),$(error TESTS: DATA=$(DATA) has no $(M30K_MISSING) (plain or .gz): set DATA or TESTS))
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
 		--test $(DATA)/$(firstword $(TESTS)) --vocab-size 8000 --out $(M30K)/data --force
-	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) \
+	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) --set model.norm=$(M30K_NORM) \
 		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) --set train.tokens_per_step=$(M30K_TOKENS) --set train.lr_scale=$(M30K_LR_SCALE) \
 		--set train.warmup_steps=$(M30K_WARMUP) --set train.cooldown_fraction=$(M30K_COOLDOWN) --set train.max_minutes=$(MINUTES) --set train.save_minutes=$(M30K_SAVE) --run-dir $(M30K_RUN) $(M30K_LAYOUT) --resume auto
 	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt
