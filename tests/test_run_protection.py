@@ -350,6 +350,14 @@ def test_a_resume_with_nothing_left_says_which_limit_and_option(finished, shared
     assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000010"
 
 
+def test_a_resume_with_other_model_settings_names_them(finished, shared_data, tmp_path):
+    """A run directory trained post-LN, resumed pre-LN (as a recipe's new default would): the setting is named."""
+    run = _copy_run(finished, tmp_path / "run")
+    line = _one_line_error(_train(run, shared_data, "train.max_steps=12", "model.norm=pre"), "does not match the model")
+    assert "step-00000010" in line and "model.norm='post' (this run: 'pre')" in line and "--run-dir" in line, line
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000010", "step-00000005"]
+
+
 def test_resuming_on_data_of_another_tokenizer_is_refused_unless_asked_for(finished, tmp_path):
     other = _prepare(tmp_path / "other", seed=99)  # the same sizes, another BPE model
     assert sha256_of(other / "spm.model") != sha256_of(finished / "checkpoints" / "step-00000010" / "tokenizer.model")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,21 @@ class LoadedCheckpoint:
         return None
 
 
+def changed_model_settings(meta: dict, model: torch.nn.Module) -> str:
+    """The model.* settings of the checkpoint's config that differ from the model's, e.g.
+    "model.norm='post' (this run: 'pre')"; empty if none differ or either side does not say."""
+    saved = meta.get("config")
+    saved = saved.get("model") if isinstance(saved, dict) else None
+    now = getattr(model, "cfg", None)
+    if not isinstance(saved, dict) or not dataclasses.is_dataclass(now):
+        return ""
+    return ", ".join(
+        f"model.{key}={saved[key]!r} (this run: {value!r})"
+        for key, value in dataclasses.asdict(now).items()
+        if key in saved and saved[key] != value
+    )
+
+
 def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
     """Read ``step_dir`` for this rank: the same layout reads its own shard, another merges and re-splits.
 
@@ -106,9 +122,14 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
         }
     if set(shard["param"]) != names:
         missing, extra = sorted(names - set(shard["param"])), sorted(set(shard["param"]) - names)
+        changed = changed_model_settings(meta, model)
+        why = (
+            f"it was written with {changed}: resume with the checkpoint's settings, or train into another --run-dir"
+            if changed
+            else "was it written with another model.* config?"
+        )
         raise CheckpointError(
-            f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
-            f"was it written with another model.* config?"
+            f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); {why}"
         )
     rl = meta["rank_layout"]
     rank = None
