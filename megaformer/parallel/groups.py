@@ -180,9 +180,10 @@ class ParallelContext:
         ``init_method`` defaults to ``env://`` (MASTER_ADDR / MASTER_PORT), which every
         launcher in ``launcher/`` sets. The layout is validated before any group exists.
         One process gets no process group unless ``single_process_group`` (DeepSpeed
-        needs one even then; it meets no one, so it takes an in-process store, not a port). A collective that waits longer than ``timeout_s`` (default
-        ``parallel.timeout_minutes``) fails instead of hanging. The ranks' host names are
-        gathered once, and a TP group spanning nodes is refused (:func:`check_tp_within_nodes`).
+        needs one even then; meeting no one, it takes an in-process store, not a port). A
+        collective that waits longer than ``timeout_s`` (default ``parallel.timeout_minutes``)
+        fails instead of hanging. The ranks' host names are gathered once, and a TP group
+        spanning nodes is refused (:func:`check_tp_within_nodes`).
         """
         layout = ParallelLayout.from_config(cfg, world_size)
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
