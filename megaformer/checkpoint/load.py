@@ -84,7 +84,7 @@ class LoadedCheckpoint:
         return None
 
 
-def changed_model_settings(meta: dict, model: torch.nn.Module) -> str:
+def _changed_model_settings(meta: dict, model: torch.nn.Module) -> str:
     """The model.* settings of the checkpoint's config that differ from the model's, e.g.
     "model.norm='post' (this run: 'pre')"; empty if none differ or either side does not say."""
     saved = meta.get("config")
@@ -122,7 +122,7 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
         }
     if set(shard["param"]) != names:
         missing, extra = sorted(names - set(shard["param"])), sorted(set(shard["param"]) - names)
-        changed = changed_model_settings(meta, model)
+        changed = _changed_model_settings(meta, model)
         why = (
             f"it was written with {changed}: resume with the checkpoint's settings, or train into another --run-dir"
             if changed
