@@ -54,7 +54,7 @@ M30K_DROPOUT := $(if $(M30K_SHORT),0.1,$(shell awk 'BEGIN { print ($(M30K_STEPS)
 # 60-minute settings at 1,500-token steps (docs/results.md, 2026-12-04). 1,000 steps of 1,000 tokens, the last 5
 # averaged, valid: pre-LN 27.46 at 2.2e-3, 26.50 at 1.1e-3, 17.27 at 3.3e-3; post-LN at 1.1e-3 21.89, and 21.07 with
 # the lr ramped to 0 over the last 30 %; another seed: pre-LN 27.82, post-LN 23.84 (2026-12-05 (fp32)). Marian
-# has no pre-LN layers: this model exports to safetensors and .pt, not to Hugging Face or CTranslate2 (megaformer
+# has no pre-LN layers: this model exports to CTranslate2, safetensors and .pt, not to Hugging Face (megaformer
 # export says so in one line).
 # A longer fp32 run (60 minutes on an AVX2-only CPU: ~1,550 steps of 3,000 tokens) takes steps of 1,000 tokens
 # too, post-LN at 1.1e-3, with dropout 0.15: in an AVX2-only CPU's hour, emulated, valid 37.18 against 36.68 for

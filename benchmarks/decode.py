@@ -88,12 +88,11 @@ def timed(model: Transformer, src: torch.Tensor, settings: SearchSettings, devic
 
 def print_engines(e: dict) -> None:
     print(f"{e['sentences']} Multi30k sentences, beam {e['beam']}, {e['threads']} threads, same model:")
-    for name in ("megaformer", "transformers", "ctranslate2"):
+    engines = [name for name in ("megaformer", "transformers", "ctranslate2") if name in e]  # no transformers: pre-LN
+    for name in engines:
         print(f"  {name:13s} {e[name]['seconds']:8.2f} s  {e[name]['sentences_per_s']:8.2f} sentences/s")
-    print(
-        f"  identical outputs: megaformer = transformers {e['identical_megaformer_transformers']}, "
-        f"megaformer = CTranslate2 {e['identical_megaformer_ctranslate2']}"
-    )
+    same = ", ".join(f"megaformer = {name} {e[f'identical_megaformer_{name}']}" for name in engines[1:])
+    print(f"  identical outputs: {same}")
 
 
 def main(argv: list[str] | None = None) -> int:

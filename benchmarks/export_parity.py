@@ -11,12 +11,15 @@ length limit, where the engines' rules differ, rather than the decisions that ma
 model and its own tokenizer are used, with the sentences of ``--src`` / ``--ref``.
 
 On the first ``--sentences`` pairs it reports: the largest |logit difference| between
-megaformer's forward and ``MarianMTModel``'s (teacher-forced on the references, fp32);
-how many greedy outputs are identical strings (megaformer vs ``generate``); beam 4 with
-length penalty 0 (the setting the engines share) megaformer vs transformers
-(``early_stopping=True``, megaformer's fairseq rule), CTranslate2 vs transformers
-(``early_stopping="never"``, CTranslate2's rule) and megaformer vs CTranslate2, each
-difference listed with megaformer's log P of both outputs. With ``--reshard-check`` and a
+megaformer's forward and ``MarianMTModel``'s (teacher-forced on the references, fp32), and
+the largest |log-probability difference| between megaformer's and CTranslate2's
+``score_batch`` (teacher-forced); how many greedy outputs are identical strings (megaformer
+vs ``generate``, megaformer vs CTranslate2); beam 4 with length penalty 0 (the setting the
+engines share) megaformer vs transformers (``early_stopping=True``, megaformer's fairseq
+rule), CTranslate2 vs transformers (``early_stopping="never"``, CTranslate2's rule) and
+megaformer vs CTranslate2, each difference listed with megaformer's log P of both outputs.
+A pre-LN model (``--norm pre``, or a checkpoint of one) has no Marian export: only the
+CTranslate2 figures are reported. With ``--reshard-check`` and a
 TP>1 checkpoint it also exports the checkpoint resharded to TP=1 and compares the weights.
 """
 
@@ -187,6 +190,21 @@ def max_logit_difference(model: Consolidated, hf, src: list[str], ref: list[str]
     return worst
 
 
+def ct2_max_logprob_difference(model: Consolidated, translator, src: list[str], ref: list[str]) -> float:
+    """max |megaformer log P - CTranslate2 log P| of every reference token and eos, teacher-forced (``score_batch``)."""
+    sp = load_tokenizer(model)
+    net = build_model(model, LOCAL)
+    worst = 0.0
+    for s, r in zip(src, ref):
+        y = sp.encode(r)[:200] + [EOS]
+        scored = translator.score_batch([sp.encode(s, out_type=str) + ["</s>"]], [[sp.id_to_piece(t) for t in y[:-1]]])
+        with torch.no_grad():
+            logits = net(torch.tensor([sp.encode(s) + [EOS]]), torch.tensor([[2] + y[:-1]]))[0]
+        ours = logits[:, : model.vocab_size].double().log_softmax(-1).gather(1, torch.tensor(y)[:, None])[:, 0]
+        worst = max(worst, float((ours - torch.tensor(scored[0].log_probs, dtype=torch.float64)).abs().max()))
+    return worst
+
+
 def log_prob(model: Consolidated, source: str, output: str) -> float:
     """log P(output + eos | source) under megaformer's model (float64 softmax)."""
     sp = load_tokenizer(model)
@@ -241,32 +259,52 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         data = Path(args.data)
         src, ref = read_text(data / "test_2016_flickr.en.gz"), read_text(data / "test_2016_flickr.de.gz")
     src, ref = src[: args.sentences], ref[: args.sentences]
-    write_export(model, tmp / "hf", "hf")
     write_export(model, tmp / "ct2", "ct2")
-    hf = (MarianMTModel.from_pretrained(str(tmp / "hf")).eval(), MarianTokenizer.from_pretrained(str(tmp / "hf")))
     translator = ctranslate2.Translator(str(tmp / "ct2"), device="cpu")
     sp = load_tokenizer(model)
     m = model.config.model
     result = {
-        "model": {"d_model": m.d_model, "d_ff": m.d_ff, "heads": m.num_heads, "layers": m.encoder_layers},
+        "model": {
+            "d_model": m.d_model,
+            "d_ff": m.d_ff,
+            "heads": m.num_heads,
+            "layers": m.encoder_layers,
+            "norm": m.norm,
+        },
         "parameters": sum(t.numel() for t in model.model.values()),
         "source": args.ckpt or f"Multi30k tokenizer, {args.train_steps} training steps",
-        "max_logit_difference": max_logit_difference(model, hf, src, ref),
+        "max_logprob_difference_ct2": ct2_max_logprob_difference(model, translator, src, ref),
     }
-    greedy_ours, greedy_hf = (
-        megaformer_outputs(model, src, 1, args.max_new)[0],
-        hf_outputs(hf, src, 1, args.max_new, True)[0],
-    )
-    beam_ours = megaformer_outputs(model, src, 4, args.max_new)[0]
-    beam_hf = hf_outputs(hf, src, 4, args.max_new, True)[0]
-    beam_hf_never = hf_outputs(hf, src, 4, args.max_new, "never")[0]
+    greedy_ours, beam_ours = (megaformer_outputs(model, src, beam, args.max_new)[0] for beam in (1, 4))
     beam_ct2 = ct2_outputs(translator, sp, src, 4, args.max_new)[0]
     result["comparisons"] = [
-        compare("greedy megaformer vs transformers", greedy_ours, greedy_hf, src, model),
-        compare("beam4 megaformer vs transformers(early_stopping=True)", beam_ours, beam_hf, src, model),
-        compare("beam4 ctranslate2 vs transformers(early_stopping=never)", beam_ct2, beam_hf_never, src),
+        compare(
+            "greedy megaformer vs ctranslate2", greedy_ours, ct2_outputs(translator, sp, src, 1, args.max_new)[0], src
+        ),
         compare("beam4 megaformer vs ctranslate2", beam_ours, beam_ct2, src, model),
     ]
+    if m.norm == "post":  # Marian, and so transformers, holds post-LN models only
+        write_export(model, tmp / "hf", "hf")
+        hf = (MarianMTModel.from_pretrained(str(tmp / "hf")).eval(), MarianTokenizer.from_pretrained(str(tmp / "hf")))
+        result["max_logit_difference"] = max_logit_difference(model, hf, src, ref)
+        beam_hf_never = hf_outputs(hf, src, 4, args.max_new, "never")[0]
+        result["comparisons"] += [
+            compare(
+                "greedy megaformer vs transformers",
+                greedy_ours,
+                hf_outputs(hf, src, 1, args.max_new, True)[0],
+                src,
+                model,
+            ),
+            compare(
+                "beam4 megaformer vs transformers(early_stopping=True)",
+                beam_ours,
+                hf_outputs(hf, src, 4, args.max_new, True)[0],
+                src,
+                model,
+            ),
+            compare("beam4 ctranslate2 vs transformers(early_stopping=never)", beam_ct2, beam_hf_never, src),
+        ]
     if args.reshard_check and args.ckpt:
         result["reshard"] = reshard_check(args.ckpt, tmp)
     return result
@@ -278,30 +316,32 @@ def engine_speeds(args: argparse.Namespace, sentences: int, beam: int, tmp: Path
     Each engine gets one warm-up batch, this process's torch threads (CTranslate2 as many intra
     threads), beam ``beam`` with length penalty 0 and the same length limit; megaformer and
     transformers batch 64 sentences (megaformer by up to 4096 source tokens), CTranslate2 64.
+    A pre-LN model has no transformers run (Marian holds post-LN models only).
     """
     import ctranslate2
     from transformers import MarianMTModel, MarianTokenizer
 
     model = load_model_file(args.ckpt) if args.ckpt else multi30k_model(args, tmp)
     src = read_text(Path(args.src) if args.src else Path(args.data) / "test_2016_flickr.en.gz")[:sentences]
-    write_export(model, tmp / "hf", "hf")
     write_export(model, tmp / "ct2", "ct2")
     threads = torch.get_num_threads()
-    hf = (MarianMTModel.from_pretrained(str(tmp / "hf")).eval(), MarianTokenizer.from_pretrained(str(tmp / "hf")))
     translator = ctranslate2.Translator(str(tmp / "ct2"), device="cpu", intra_threads=threads)
     sp = load_tokenizer(model)
     runs = {
         "megaformer": lambda lines: megaformer_outputs(model, lines, beam, args.max_new),
-        "transformers": lambda lines: hf_outputs(hf, lines, beam, args.max_new, True, batch=64),
         "ctranslate2": lambda lines: ct2_outputs(translator, sp, lines, beam, args.max_new),
     }
+    if model.config.model.norm == "post":
+        write_export(model, tmp / "hf", "hf")
+        hf = (MarianMTModel.from_pretrained(str(tmp / "hf")).eval(), MarianTokenizer.from_pretrained(str(tmp / "hf")))
+        runs["transformers"] = lambda lines: hf_outputs(hf, lines, beam, args.max_new, True, batch=64)
     result: dict = {"sentences": len(src), "beam": beam, "threads": threads, "max_new_tokens": args.max_new}
     outputs = {}
     for name, fn in runs.items():
         fn(src[:8])  # warm-up
         outputs[name], seconds = fn(src)
         result[name] = {"seconds": round(seconds, 2), "sentences_per_s": round(len(src) / seconds, 2)}
-    for other in ("transformers", "ctranslate2"):
+    for other in set(runs) - {"megaformer"}:
         same = sum(a == b for a, b in zip(outputs["megaformer"], outputs[other]))
         result[f"identical_megaformer_{other}"] = same
     return result
@@ -315,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     print(f"model {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), {result['source']}")
-    print(f"max |logit difference| megaformer vs MarianMTModel: {result['max_logit_difference']:.2e}")
+    if "max_logit_difference" in result:
+        print(f"max |logit difference| megaformer vs MarianMTModel: {result['max_logit_difference']:.2e}")
+    print(f"max |log P difference| megaformer vs CTranslate2: {result['max_logprob_difference_ct2']:.2e}")
     for c in result["comparisons"]:
         print(f"{c['name']}: {c['identical']}/{c['of']} identical")
         for d in c["differences"]:

@@ -15,6 +15,7 @@ def add_model_arguments(p: argparse.ArgumentParser, layers: int) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=layers, help="encoder and decoder layers each")
     p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--norm", choices=("post", "pre"), default="post", help="post- or pre-LN layers (model.norm)")
 
 
 def model_config(args: argparse.Namespace, max_positions: int) -> ModelConfig:
@@ -27,6 +28,7 @@ def model_config(args: argparse.Namespace, max_positions: int) -> ModelConfig:
         decoder_layers=args.layers,
         dropout=0.0,
         max_positions=max_positions,
+        norm=args.norm,
     )
 
 

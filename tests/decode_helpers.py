@@ -92,11 +92,16 @@ def random_sentence(rng: random.Random, lo: int = 2, hi: int = 7) -> str:
 
 
 def make_text_checkpoint(
-    folder: Path, steps: int = 300, seed: int = 5, name: str = "model.pt", snapshots: tuple[int, ...] = ()
+    folder: Path,
+    steps: int = 300,
+    seed: int = 5,
+    name: str = "model.pt",
+    snapshots: tuple[int, ...] = (),
+    norm: str = "post",
 ) -> dict[str, Path]:
     """Train sentencepiece and TINY-64 on sentence reversal; write consolidated files into ``folder``.
 
-    Returns {"final": path, step: path for each snapshot step}.
+    ``norm``: the layers' ``model.norm`` (post- or pre-LN). Returns {"final": path, step: path for each snapshot step}.
     """
     from megaformer.checkpoint import Consolidated, save_consolidated
     from megaformer.data.tokenizer import train_bpe
@@ -112,7 +117,7 @@ def make_text_checkpoint(
     vocab = sp.vocab_size()
     cfg = Config()
     cfg.model = ModelConfig(
-        d_model=64, d_ff=128, num_heads=4, encoder_layers=2, decoder_layers=2, dropout=0.0, max_positions=64
+        d_model=64, d_ff=128, num_heads=4, encoder_layers=2, decoder_layers=2, dropout=0.0, max_positions=64, norm=norm
     )
     model = Transformer(cfg.model, vocab, LOCAL, DropoutRNG(seed, LOCAL), seed=seed)
 

@@ -329,10 +329,10 @@ def test_existing_output_needs_force_and_the_input_is_never_replaced(trained, tm
 
 
 @pytest.mark.parametrize(
-    ("setting", "fragment"),
-    [({"norm": "pre"}, "post-LN"), ({"layernorm_eps": 1e-6}, "1e-5")],
+    ("setting", "fragment", "formats"),
+    [({"norm": "pre"}, "post-LN", ("hf",)), ({"layernorm_eps": 1e-6}, "1e-5", ("hf", "ct2"))],
 )
-def test_what_marian_cannot_express_is_refused(trained, tmp_path, capsys, setting, fragment):
+def test_what_marian_cannot_express_is_refused(trained, tmp_path, capsys, setting, fragment, formats):
     import dataclasses
 
     from megaformer.checkpoint import save_consolidated
@@ -344,7 +344,7 @@ def test_what_marian_cannot_express_is_refused(trained, tmp_path, capsys, settin
         model.model.update({f"{s}_norm.{p}": torch.ones(d) for s in ("encoder", "decoder") for p in ("weight", "bias")})
     path = tmp_path / "odd.pt"
     save_consolidated(path, model)
-    for fmt in ("hf", "ct2"):
+    for fmt in formats:
         out = tmp_path / fmt
         _one_line_error(
             cli.main(["export", "--ckpt", str(path), "--out", str(out), "--format", fmt]),
@@ -353,3 +353,40 @@ def test_what_marian_cannot_express_is_refused(trained, tmp_path, capsys, settin
         )
         assert not out.exists()
     assert cli.main(["export", "--ckpt", str(path), "--out", str(tmp_path / "ok.safetensors")]) == 0
+
+
+@pytest.fixture(scope="module")
+def pre_ln(tmp_path_factory):
+    """A trained pre-LN model and its CTranslate2 export, written through the command.
+
+    The final LayerNorm of each stack is scaled and shifted off what training left (a model all
+    the same), so that an export that dropped it or kept another would not score as this one.
+    """
+    from megaformer.checkpoint import save_consolidated
+    from megaformer.export.marian import FINAL_NORMS
+
+    folder = tmp_path_factory.mktemp("export-pre")
+    path = make_text_checkpoint(folder, steps=300, norm="pre")["final"]
+    model = load_consolidated(path)
+    g = torch.Generator().manual_seed(3)
+    for name in FINAL_NORMS:
+        t = model.model[name]
+        noise = torch.randn(t.shape, generator=g)
+        model.model[name] = t * (1 + 0.3 * noise) if name.endswith("weight") else t + 0.2 * noise
+    save_consolidated(path, model)
+    out = folder / "ct2"
+    assert cli.main(["export", "--ckpt", str(path), "--out", str(out), "--format", "ct2"]) == 0
+    rng = random.Random(78)
+    return {"model": model, "lines": [random_sentence(rng, 2, 8) for _ in range(SENTENCES)], "ct2": out}
+
+
+def test_ctranslate2_takes_a_pre_ln_model_exactly(pre_ln):
+    """Pre-LN layers and the final LayerNorms, which Marian cannot hold, reach CTranslate2: greedy outputs
+    are identical, and every beam-4 score is megaformer's model scoring that output (as above, to 1e-4)."""
+    sp = load_tokenizer(pre_ln["model"])
+    greedy = [sp.decode_pieces(r.hypotheses[0]) for r in _ct2_translate(pre_ln, pre_ln, 1)]
+    assert not _differences(_megaformer_outputs(pre_ln, 1), greedy, pre_ln["lines"])
+    for src, r in zip(pre_ln["lines"], _ct2_translate(pre_ln, pre_ln, 4)):
+        b = [sp.piece_to_id(piece) for piece in r.hypotheses[0]]
+        lb = _ct2_objective(pre_ln, src, b)
+        assert abs(lb - r.scores[0]) <= 1e-4 * max(1.0, abs(lb)), (src, lb, r.scores[0])

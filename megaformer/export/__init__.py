@@ -8,7 +8,8 @@ here verifies it. Nothing here unpickles: weights are read with safetensors.
   one self-contained file or a directory (weights, config, tokenizer, manifest).
 * :mod:`megaformer.export.marian`: the exact mapping onto ``MarianMTModel`` and
   ``MarianTokenizer``, or a one-line refusal of what Marian cannot express.
-* :mod:`megaformer.export.ct2`: CTranslate2, through its own converter from the HF directory.
+* :mod:`megaformer.export.ct2`: CTranslate2, through its own converter from the HF directory
+  (pre-LN models too: their final LayerNorms are handed to it beside the directory).
 * :mod:`megaformer.export.write`: writing one of them through a staged path, and what an output name says;
   the command is :mod:`megaformer.commands.export`.
 """

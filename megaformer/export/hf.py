@@ -49,13 +49,17 @@ def check_tokenizer(model: Consolidated) -> spm.SentencePieceProcessor:
     return sp
 
 
-def write_hf_dir(folder: Path, model: Consolidated) -> None:
-    """``config.json``, ``generation_config.json``, ``model.safetensors``, tokenizer files, manifest."""
+def write_hf_dir(folder: Path, model: Consolidated, *, final_norms: bool = False) -> None:
+    """``config.json``, ``generation_config.json``, ``model.safetensors``, tokenizer files, manifest.
+
+    ``final_norms``: a pre-LN model's layers are written too, without its final LayerNorms (for
+    CTranslate2's converter, which is given those apart: the directory alone is not the model).
+    """
     import torch
     from transformers import GenerationConfig, MarianConfig, MarianMTModel
 
     sp = check_tokenizer(model)
-    state = to_marian_state(model)
+    state = to_marian_state(model, final_norms=final_norms)
     with torch.random.fork_rng(devices=[]):  # its random init is overwritten: leave the caller's stream alone
         net = MarianMTModel(MarianConfig(**marian_config(model)))
     result = net.load_state_dict(state, strict=False)

@@ -28,7 +28,8 @@ sinusoidal positions from 0, ReLU. What differs, and how it is mapped exactly:
   model's own id of every piece, ``source.spm`` = ``target.spm`` = the model.
 
 Refused, with the reason: pre-LN (Marian is post-LN only, and the final LayerNorm of a pre-LN
-stack has no place), a LayerNorm epsilon other than 1e-5 (Marian's ``nn.LayerNorm`` default is
+stack has no place; CTranslate2's Transformer has both, so its export takes a pre-LN model's layers
+through this mapping and the final LayerNorms from :func:`final_norm_state`), a LayerNorm epsilon other than 1e-5 (Marian's ``nn.LayerNorm`` default is
 not configurable), an odd d_model, no tokenizer, special pieces other than <pad> <unk> <s> </s>
 at ids 0 1 2 3, and any parameter the mapping does not know.
 """
@@ -68,6 +69,10 @@ _FFN = [
     ("ffn.fc2.bias", ("fc2.bias",), 0),
 ]
 
+FINAL_NORMS = {  # a pre-LN model's final LayerNorm of each stack: megaformer's name -> a Marian-shaped one
+    f"{stack}_norm.{p}": f"model.{stack}.layer_norm.{p}" for stack in ("encoder", "decoder") for p in ("weight", "bias")
+}
+
 
 def _norm(ours: str, theirs: str) -> list[tuple[str, tuple[str, ...], int]]:
     return [(f"{ours}.{p}", (f"{theirs}.{p}",), 0) for p in ("weight", "bias")]
@@ -100,17 +105,25 @@ def basis_permutation(d_model: int) -> torch.Tensor:
     return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
 
 
-def check_marian(model: Consolidated) -> None:
-    """Refuse, in one line, what Marian cannot express exactly (see the module docstring)."""
+def check_marian(model: Consolidated, *, final_norms: bool = False) -> None:
+    """Refuse, in one line, what Marian cannot express exactly (see the module docstring).
+
+    ``final_norms``: the target also has pre-LN layers and a final LayerNorm per stack (CTranslate2).
+    """
     m = model.config.model
     reasons = []
-    if m.norm != "post":
-        reasons.append(f"model.norm={m.norm!r}: Marian has post-LN layers only and no final LayerNorm per stack")
+    if m.norm == "pre" and not final_norms:
+        reasons.append(
+            f"model.norm={m.norm!r}: Marian has post-LN layers only and no final LayerNorm per stack "
+            f"(--format ct2 takes pre-LN models)"
+        )
     if m.layernorm_eps != MARIAN_LAYERNORM_EPS:
         reasons.append(f"model.layernorm_eps={m.layernorm_eps}: Marian's LayerNorm epsilon is fixed at 1e-5")
     if m.d_model % 2:
         reasons.append(f"model.d_model={m.d_model} is odd: the sin|cos halves of Marian's positions need it even")
     expected = {"embed.weight"} | {name for name, _, _ in name_map(m.encoder_layers, m.decoder_layers)}
+    if m.norm == "pre":
+        expected |= set(FINAL_NORMS)
     unknown = sorted(set(model.model) - expected) + sorted(expected - set(model.model))
     if unknown:
         reasons.append(f"parameters {unknown[:3]} have no Marian counterpart or are missing")
@@ -118,9 +131,13 @@ def check_marian(model: Consolidated) -> None:
         raise ExportError("cannot export to Marian exactly: " + "; ".join(reasons))
 
 
-def to_marian_state(model: Consolidated) -> dict[str, torch.Tensor]:
-    """Marian's state dict (every tied name, ``final_logits_bias``) from megaformer's TP=1 parameters."""
-    check_marian(model)
+def to_marian_state(model: Consolidated, *, final_norms: bool = False) -> dict[str, torch.Tensor]:
+    """Marian's state dict (every tied name, ``final_logits_bias``) from megaformer's TP=1 parameters.
+
+    ``final_norms``: a pre-LN model's layers are mapped too, without the final LayerNorm of each
+    stack (:func:`final_norm_state`): those weights alone are not the model.
+    """
+    check_marian(model, final_norms=final_norms)
     m = model.config.model
     perm = basis_permutation(m.d_model)
     table = model.model["embed.weight"][: model.vocab_size].index_select(1, perm).contiguous()
@@ -138,6 +155,17 @@ _TABLE_NAMES = (
     "model.decoder.embed_tokens.weight",
     "lm_head.weight",
 )
+
+
+def final_norm_state(model: Consolidated) -> dict[str, torch.Tensor]:
+    """A pre-LN model's final LayerNorms under the names a Marian-shaped model would give them (none for post-LN).
+
+    ``model.encoder.layer_norm.weight`` and so on, in Marian's coordinates (the basis permutation).
+    """
+    if model.config.model.norm != "pre":
+        return {}
+    perm = basis_permutation(model.config.model.d_model)
+    return {theirs: model.model[ours].index_select(0, perm).contiguous() for ours, theirs in FINAL_NORMS.items()}
 
 
 def from_marian_state(state: dict[str, torch.Tensor], model: Consolidated, padded_rows: int) -> dict[str, torch.Tensor]:

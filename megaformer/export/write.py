@@ -72,7 +72,7 @@ def write_export(model: Consolidated, out: Path, fmt: str, *, force: bool = Fals
         from megaformer.export.hf import check_tokenizer
         from megaformer.export.marian import check_marian
 
-        check_marian(model)
+        check_marian(model, final_norms=fmt == "ct2")
         check_tokenizer(model)
     with staged_output(out, force, directory=directory) as tmp:
         if fmt == "pt":
