@@ -28,10 +28,11 @@ sinusoidal positions from 0, ReLU. What differs, and how it is mapped exactly:
   model's own id of every piece, ``source.spm`` = ``target.spm`` = the model.
 
 Refused, with the reason: pre-LN (Marian is post-LN only, and the final LayerNorm of a pre-LN
-stack has no place; CTranslate2's Transformer has both, so its export takes a pre-LN model's layers
-through this mapping and the final LayerNorms from :func:`final_norm_state`), a LayerNorm epsilon other than 1e-5 (Marian's ``nn.LayerNorm`` default is
-not configurable), an odd d_model, no tokenizer, special pieces other than <pad> <unk> <s> </s>
-at ids 0 1 2 3, and any parameter the mapping does not know.
+stack has no place; CTranslate2's Transformer has both, so its export takes a pre-LN model's
+layers through this mapping and the final LayerNorms from :func:`final_norm_state`), a LayerNorm
+epsilon other than 1e-5 (Marian's ``nn.LayerNorm`` default is not configurable), an odd d_model,
+no tokenizer, special pieces other than <pad> <unk> <s> </s> at ids 0 1 2 3, and any parameter
+the mapping does not know.
 """
 
 from __future__ import annotations
