@@ -213,11 +213,11 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in gpu, gpu
     assert "train.cooldown_fraction=0 " in gpu and "train.cooldown_fraction=0 " in cpu, (gpu, cpu)
     hour = _make_multi30k(dict(os.environ), data, "M30K_GPUS=0", "M30K_PRECISION=fp32")
-    # ~2,700 steps of 3,000 tokens expected: steps of 1,000, warmed up over up to 1,000 updates to the same 1.1e-3
-    assert "train.tokens_per_step=1000 --set train.lr_scale=0.5566 --set train.warmup_steps=1000" in hour, hour
+    # ~2,700 steps of 3,000 tokens expected: steps of 1,000, pre-LN, warmed up over up to 1,000 updates to 2.2e-3
+    assert "train.tokens_per_step=1000 --set train.lr_scale=1.1132 --set train.warmup_steps=1000" in hour, hour
     assert "train.max_minutes=60" in hour, hour
-    assert _peak_lr(hour) == pytest.approx(1.1e-3, rel=1e-3) and _peak_lr(cpu) == pytest.approx(2.2e-3, rel=1e-3)
-    assert "model.dropout=0.15 " in hour and "train.cooldown_fraction=0 " in hour and "model.norm=post " in hour, hour
+    assert _peak_lr(hour) == pytest.approx(2.2e-3, rel=1e-3) and _peak_lr(cpu) == pytest.approx(2.2e-3, rel=1e-3)
+    assert "model.dropout=0.15 " in hour and "train.cooldown_fraction=0 " in hour and "model.norm=pre " in hour, hour
     bf16_hour = _make_multi30k(dict(os.environ), data, "M30K_GPUS=0", "M30K_PRECISION=bf16")
     assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in bf16_hour, bf16_hour
     assert "model.dropout=0.25 " in bf16_hour and "train.cooldown_fraction=0 " in bf16_hour, bf16_hour
