@@ -19,8 +19,9 @@ engines share) megaformer vs transformers (``early_stopping=True``, megaformer's
 rule), CTranslate2 vs transformers (``early_stopping="never"``, CTranslate2's rule) and
 megaformer vs CTranslate2, each difference listed with megaformer's log P of both outputs.
 A pre-LN model (``--norm pre``, or a checkpoint of one) has no Marian export: only the
-CTranslate2 figures are reported. With ``--reshard-check`` and a
-TP>1 checkpoint it also exports the checkpoint resharded to TP=1 and compares the weights.
+CTranslate2 figures are reported. With ``--reshard-check`` and a TP>1 checkpoint it also
+exports the checkpoint resharded to TP=1 and compares the weights (of the hf export; of the
+safetensors export for a pre-LN model).
 """
 
 from __future__ import annotations
@@ -239,8 +240,10 @@ def reshard_check(ckpt: str, tmp: Path) -> dict:
     tp1 = reshard(step, tmp / "tp1", 1, log=print)
     out = {}
     for label, src in (("original", step), ("tp1", tp1)):
-        write_export(load_model_file(src), tmp / f"hf-{label}", "hf")
-        out[label] = load_file(str(tmp / f"hf-{label}" / "model.safetensors"))
+        model = load_model_file(src)
+        fmt = "hf" if model.config.model.norm == "post" else "safetensors"  # Marian holds post-LN models only
+        write_export(model, tmp / f"{fmt}-{label}", fmt)
+        out[label] = load_file(str(tmp / f"{fmt}-{label}" / "model.safetensors"))
     same = out["original"].keys() == out["tp1"].keys() and all(
         torch.equal(out["original"][k], out["tp1"][k]) for k in out["original"]
     )
