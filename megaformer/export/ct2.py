@@ -34,7 +34,7 @@ FORMAT = "megaformer-ctranslate2-v1"
 SUPPRESS = [["<pad>"], ["<s>"]]
 
 
-def _converter(hf_dir: Path, final_norms: dict[str, torch.Tensor]):
+def _converter(hf_dir: Path, final_norms: dict[str, dict[str, torch.Tensor]]):
     """CTranslate2's TransformersConverter with its Marian loader adapted to megaformer's conventions.
 
     The stock loader also drops the table's last row, assuming Helsinki-NLP's appended
@@ -49,9 +49,9 @@ def _converter(hf_dir: Path, final_norms: dict[str, torch.Tensor]):
         def get_model_spec(self, model):
             model.config.normalize_before = bool(final_norms)
             model.config.normalize_embedding = False
-            for stack in ("encoder", "decoder") if final_norms else ():
+            for stack, state in final_norms.items():
                 norm = torch.nn.LayerNorm(model.config.d_model, eps=MARIAN_LAYERNORM_EPS)
-                norm.load_state_dict({p: final_norms[f"model.{stack}.layer_norm.{p}"] for p in ("weight", "bias")})
+                norm.load_state_dict(state)
                 getattr(model.model, stack).layer_norm = norm
             return BartLoader.get_model_spec(self, model)
 

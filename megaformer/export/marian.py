@@ -70,9 +70,9 @@ _FFN = [
     ("ffn.fc2.bias", ("fc2.bias",), 0),
 ]
 
-FINAL_NORMS = {  # a pre-LN model's final LayerNorm of each stack: megaformer's name -> a Marian-shaped one
-    f"{stack}_norm.{p}": f"model.{stack}.layer_norm.{p}" for stack in ("encoder", "decoder") for p in ("weight", "bias")
-}
+FINAL_NORMS = tuple(  # a pre-LN model's final LayerNorm of each stack, which Marian has no place for
+    f"{stack}_norm.{p}" for stack in ("encoder", "decoder") for p in ("weight", "bias")
+)
 
 
 def _norm(ours: str, theirs: str) -> list[tuple[str, tuple[str, ...], int]]:
@@ -158,15 +158,16 @@ _TABLE_NAMES = (
 )
 
 
-def final_norm_state(model: Consolidated) -> dict[str, torch.Tensor]:
-    """A pre-LN model's final LayerNorms under the names a Marian-shaped model would give them (none for post-LN).
-
-    ``model.encoder.layer_norm.weight`` and so on, in Marian's coordinates (the basis permutation).
-    """
+def final_norm_state(model: Consolidated) -> dict[str, dict[str, torch.Tensor]]:
+    """A pre-LN model's final LayerNorms, {"encoder": {"weight", "bias"}, "decoder": ...}, in Marian's coordinates
+    (the basis permutation); none for post-LN."""
     if model.config.model.norm != "pre":
         return {}
     perm = basis_permutation(model.config.model.d_model)
-    return {theirs: model.model[ours].index_select(0, perm).contiguous() for ours, theirs in FINAL_NORMS.items()}
+    return {
+        stack: {p: model.model[f"{stack}_norm.{p}"].index_select(0, perm).contiguous() for p in ("weight", "bias")}
+        for stack in ("encoder", "decoder")
+    }
 
 
 def from_marian_state(state: dict[str, torch.Tensor], model: Consolidated, padded_rows: int) -> dict[str, torch.Tensor]:
