@@ -65,6 +65,19 @@ def test_a_region_draws_its_keys_first_and_its_masks_are_those_drawn_one_by_one(
     assert all(torch.equal(a, b) for a, b in zip(inside, one_by_one))
 
 
+def test_integer_keys_and_kept_counters_make_the_masks_of_tensor_keys():
+    """An eager layer's keys are integers added to counters kept between masks of growing and shrinking sizes;
+    a compiled layer's are tensors filled on the device: the masks must be the same."""
+    shapes = [(3, 8), (5, 7, 9), (2, 3), (4, 6, 10), (1, 5)]  # 5 and 15 elements: a partial last word
+    eager, filled = DropoutRNG(6, LOCAL), DropoutRNG(6, LOCAL)
+    with eager.region({"shared": len(shapes)}, None), filled.region({"shared": len(shapes)}, torch.device("cpu")):
+        assert all(isinstance(k, int) for k in eager.keys["shared"])
+        assert all(isinstance(k, torch.Tensor) for k in filled.keys["shared"])
+        for shape in shapes:
+            x = torch.ones(shape)
+            assert torch.equal(eager.keep_mask(x, 0.3, None), filled.keep_mask(x, 0.3, None)), shape
+
+
 def test_a_region_that_makes_more_or_fewer_masks_than_it_drew_is_an_error():
     rng = DropoutRNG(4, LOCAL)
     with pytest.raises(RuntimeError, match="left"):

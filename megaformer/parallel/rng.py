@@ -44,6 +44,7 @@ embeddings) draws one key of its own.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -69,24 +70,31 @@ _MIX2 = _signed64(0x94D049BB133111EB)
 
 def _splitmix64(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser of the int64 tensor ``z``, in place (logical shifts; products wrap mod 2^64)."""
-    shifted = torch.empty_like(z)
+    shifted = None  # the first shift allocates it, the others write into it
     for shift, multiplier in ((30, _MIX1), (27, _MIX2), (31, None)):
-        torch.bitwise_right_shift(z, shift, out=shifted).bitwise_and_((1 << (64 - shift)) - 1)
+        shifted = torch.bitwise_right_shift(z, shift, out=shifted).bitwise_and_((1 << (64 - shift)) - 1)
         z.bitwise_xor_(shifted)
         if multiplier is not None:
             z.mul_(multiplier)
     return z
 
 
-def _random_bits16(shape: list[int], key: torch.Tensor) -> torch.Tensor:
+def _word_counters(words: int, device: torch.device) -> torch.Tensor:
+    """(1, 2, ..., words) * golden: the counters of the first ``words`` 64-bit words before a key is added."""
+    return torch.arange(1, words + 1, dtype=torch.int64, device=device).mul_(_GOLDEN)
+
+
+def _random_bits16(shape: list[int], key: int | torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
     """Uniform signed 16-bit values of ``shape``: element e gets lane e % 4 of word e // 4 of ``key``'s sequence.
 
-    ``key`` is a 0-dim int64 tensor on the device the bits are made on. The values
-    depend only on ``key`` and ``shape``, so a slice of a full-shape tensor is the same
-    at any TP size, on any device, compiled or not. Eagerly, each 64-bit word is
-    computed once and viewed as four int16 (little-endian: lane 0 is the low 16 bits);
-    in a compiled graph each element computes its word and shifts its lane out, which
-    Inductor fuses into the consumer (it miscompiles a dtype view fused into one).
+    ``key`` is a 0-dim int64 tensor on the device the bits are made on (a compiled
+    graph's input), or, eagerly, a Python integer with ``counters`` (at least
+    :func:`_word_counters` of the words needed, on that device) saying where. The
+    values depend only on the key and ``shape``, so a slice of a full-shape tensor is
+    the same at any TP size, on any device, compiled or not. Eagerly, each 64-bit word
+    is computed once and viewed as four int16 (little-endian: lane 0 is the low 16
+    bits); in a compiled graph each element computes its word and shifts its lane out,
+    which Inductor fuses into the consumer (it miscompiles a dtype view fused into one).
     """
     numel = 1
     for size in shape:
@@ -96,14 +104,23 @@ def _random_bits16(shape: list[int], key: torch.Tensor) -> torch.Tensor:
         words = _splitmix64((position >> 2).add_(1).mul_(_GOLDEN).add_(key))
         lanes = (words >> ((position & 3) * 16)) & 0xFFFF
         return (lanes - ((lanes >> 15) << 16)).view(shape)  # as signed 16-bit values
-    words = torch.arange(1, (numel + 3) // 4 + 1, dtype=torch.int64, device=key.device)
-    words = _splitmix64(words.mul_(_GOLDEN).add_(key))
-    return words.view(torch.int16)[:numel].view(shape)
+    words = (numel + 3) // 4
+    if counters is None:
+        counters = _word_counters(words, key.device)
+    if counters.numel() != words:
+        counters = counters[:words]
+    bits = _splitmix64(torch.add(counters, key)).view(torch.int16)
+    return (bits if bits.numel() == numel else bits[:numel]).view(shape)
 
 
 def _drop_levels(p: float) -> int:
     """p as a count of 2^-16 steps, at most 2^16 - 1 so that something is always kept."""
     return min(round(p * _LEVELS), _LEVELS - 1)
+
+
+def _threshold(p: float) -> int:
+    """The least 16-bit value kept: values uniform on [-2^15, 2^15) reach it with probability 1 - drop / 2^16."""
+    return _drop_levels(p) - _LEVELS // 2
 
 
 class _Stream:
@@ -112,11 +129,13 @@ class _Stream:
     def __init__(self, seed: int) -> None:
         self.seed, self.draws = seed, 0
 
-    def next_keys(self, count: int, device: torch.device) -> list[torch.Tensor]:
-        """The next ``count`` keys, each a 0-dim int64 tensor filled on ``device``."""
-        keys = [torch.full((), _mix(self.seed, self.draws + i), dtype=torch.int64, device=device) for i in range(count)]
+    def next_keys(self, count: int, device: torch.device | None) -> list[int | torch.Tensor]:
+        """The next ``count`` keys: 0-dim int64 tensors filled on ``device``, or Python integers if it is None."""
+        keys = [_mix(self.seed, self.draws + i) for i in range(count)]
         self.draws += count
-        return keys
+        if device is None:
+            return keys
+        return [torch.full((), key, dtype=torch.int64, device=device) for key in keys]
 
 
 class DropoutRNG:
@@ -140,7 +159,10 @@ class DropoutRNG:
         state = self.initial_state(seed, tp.rank, stream)
         self.shared = _Stream(state["shared"][0])
         self.local = _Stream(state["local"][0])
-        self.keys: dict[str, list[torch.Tensor]] | None = None  # the open region's unused keys, per stream
+        self.keys: dict[str, list[int | torch.Tensor]] | None = None  # the open region's unused keys, per stream
+        # (1, 2, ...) * golden per device, as long as the longest eager mask so far needed: each
+        # eager mask then adds its key to a slice of it (one operator, not arange, mul and add)
+        self._counters: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
     def initial_state(seed: int, tp_rank: int, stream: int) -> dict[str, list[int]]:
@@ -161,12 +183,15 @@ class DropoutRNG:
         return counts
 
     @contextmanager
-    def region(self, draws: dict[str, int], device: torch.device) -> Iterator[None]:
+    def region(self, draws: dict[str, int], device: torch.device | None) -> Iterator[None]:
         """Draw the keys of ``draws`` masks per stream now; the masks made inside the block use them in order.
 
-        A layer (compiled or not) runs inside one region, so its keys reach it as
-        tensors. The block must use exactly the keys it drew: a layer that made more or
-        fewer masks than its ``mask_draws`` says would reuse or skip another layer's.
+        A layer runs inside one region. A compiled layer's keys reach it as 0-dim tensors
+        filled on ``device``, graph inputs whose values change every step without a
+        recompilation; an eager layer's (``device`` None) stay Python integers, and no
+        tensor is made for them. The block must use exactly the keys it drew: a layer
+        that made more or fewer masks than its ``mask_draws`` says would reuse or skip
+        another layer's.
         """
         if self.keys is not None:
             raise RuntimeError("dropout regions do not nest")
@@ -179,20 +204,16 @@ class DropoutRNG:
         finally:
             self.keys = None
 
-    def _next_key(self, stream: str, device: torch.device) -> torch.Tensor:
+    def _next_key(self, stream: str, device: torch.device) -> int | torch.Tensor:
         if self.keys is None:  # a mask outside any region draws its own key
-            return getattr(self, stream).next_keys(1, device)[0]
+            return getattr(self, stream).next_keys(1, device if torch.compiler.is_compiling() else None)[0]
         keys = self.keys.get(stream)
         if not keys:
             raise RuntimeError(f"a dropout region made more {stream} masks than it drew keys for")
         return keys.pop(0)
 
-    def keep_mask(self, x: torch.Tensor, p: float, split_dim: int | None) -> torch.Tensor:
-        """A 0/1 mask (dtype of ``x``) of the elements kept with probability 1 - p (p rounded to 2^-16).
-
-        ``split_dim`` names the dimension along which ``x`` is this rank's slice of a
-        tensor split over the TP group (None: ``x`` is replicated).
-        """
+    def _bits(self, x: torch.Tensor, split_dim: int | None) -> torch.Tensor:
+        """Signed 16-bit values, uniform on [-2^15, 2^15), one for each element of ``x`` (see keep_mask)."""
         shape = list(x.shape)
         narrow = None
         stream = self.stream_of(split_dim)
@@ -200,26 +221,41 @@ class DropoutRNG:
             dim = split_dim % x.dim()
             shape[dim] *= self.tp.size
             narrow = (dim, self.tp.rank * x.shape[dim], x.shape[dim])
-        bits = _random_bits16(shape, self._next_key(stream, x.device))
-        if narrow is not None:
-            bits = bits.narrow(*narrow)  # compare only this rank's slice
-        # Signed 16-bit values are uniform on [-2^15, 2^15): an element is kept when its
-        # value reaches drop - 2^15, which has probability 1 - drop / 2^16.
-        threshold = _drop_levels(p) - _LEVELS // 2
+        key = self._next_key(stream, x.device)
+        if isinstance(key, torch.Tensor):
+            bits = _random_bits16(shape, key)
+        else:
+            bits = _random_bits16(shape, key, self._counters_for(shape, x.device))
+        return bits if narrow is None else bits.narrow(*narrow)  # only this rank's slice
+
+    def _counters_for(self, shape: list[int], device: torch.device) -> torch.Tensor:
+        words = (math.prod(shape) + 3) // 4
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < words:
+            counters = self._counters[device] = _word_counters(words, device)
+        return counters
+
+    def keep_mask(self, x: torch.Tensor, p: float, split_dim: int | None) -> torch.Tensor:
+        """A 0/1 mask (dtype of ``x``) of the elements kept with probability 1 - p (p rounded to 2^-16).
+
+        ``split_dim`` names the dimension along which ``x`` is this rank's slice of a
+        tensor split over the TP group (None: ``x`` is replicated). An element is kept
+        when its 16 bits reach :func:`_threshold`, which has probability 1 - drop / 2^16.
+        """
+        bits = self._bits(x, split_dim)
         if torch.compiler.is_compiling():
             # 1 + the sign bit of bits - threshold: the same 0/1 without a boolean tensor, which
             # Inductor's CPU kernels store ~15x slower than a float one (the backward keeps the mask).
-            return ((bits - threshold) >> 63).add_(1).to(x.dtype)
+            return ((bits - _threshold(p)) >> 63).add_(1).to(x.dtype)
         # the comparison written straight into the mask's dtype: a boolean result converted after
         # (.to) costs 6x the comparison on a CPU (0.73 ms against 0.11 for 1536 x 256 elements)
-        return torch.ge(bits, threshold, out=torch.empty(bits.shape, dtype=x.dtype, device=x.device))
+        return torch.ge(bits, _threshold(p), out=torch.empty(bits.shape, dtype=x.dtype, device=x.device))
 
     def dropout(self, x: torch.Tensor, p: float, training: bool, split_dim: int | None = None) -> torch.Tensor:
         """x * mask / (1 - p): the scale is a Python float, applied in the compute precision."""
         if not training or p == 0.0:
             return x
-        drop = _drop_levels(p)
-        return x.mul(self.keep_mask(x, p, split_dim)).mul_(_LEVELS / (_LEVELS - drop))
+        return x.mul(self.keep_mask(x, p, split_dim)).mul_(_LEVELS / (_LEVELS - _drop_levels(p)))
 
     def state_dict(self) -> dict[str, list[int]]:
         """[seed, keys drawn] of each stream: plain integers, the same on every device."""
