@@ -52,10 +52,8 @@ def measure(shape, dtype: str, causal: bool, device: str, repeats: int) -> dict:
     def fused():
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal).backward(grad)
 
-    causal_mask = torch.ones(shape[2], shape[2], dtype=torch.bool, device=device).tril() if causal else None
-
     def matmul():
-        matmul_attention(q, k, v, mask if mask is not None else causal_mask, 0.0, rng).backward(grad)
+        matmul_attention(q, k, v, mask, causal, 0.0, rng).backward(grad)
 
     times = {"fused": [], "matmul": []}
     for i in range(repeats + 2):

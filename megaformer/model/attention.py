@@ -110,30 +110,49 @@ def attend(
     """
     t, s = q.shape[-2], k.shape[-2]
     causal = causal and t > 1  # one new query sees every cached key
-    matmul = uses_matmul_attention(q, k, dropout_p)
-    if causal and (matmul or mask is not None or t != s):
+    if uses_matmul_attention(q, k, dropout_p):
+        return matmul_attention(q, k, v, mask, causal, dropout_p, rng)
+    if causal and (mask is not None or t != s):
         # Query i sits at position s - t + i: it sees keys 0 .. s - t + i (bottom-right aligned).
         causal_mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
         mask = causal_mask if mask is None else mask & causal_mask
         causal = False
-    if matmul:
-        return matmul_attention(q, k, v, mask, dropout_p, rng)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
 
 
 def matmul_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float, rng: DropoutRNG
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    rng: DropoutRNG,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v as two matmuls and an fp32 softmax, probabilities dropped with ``dropout_p``.
 
     The softmax runs in at least fp32: bf16/fp16 scores go up, float64 ones stay float64.
     Rounding float64 scores to fp32 would make the result depend on where a row falls in
     a vector register (the vector and scalar fp32 kernels round differently).
+
+    The masks are added (0 where a key may be attended, -inf where not) together with the
+    scaling, in one operator: ``masked_fill`` of the scores would be ~5x slower on a CPU
+    (forward and backward) and would need the inverted boolean mask made at every call.
+    The scores are the same bit for bit.
     """
     scores = torch.matmul(q, k.transpose(-2, -1))  # (batch, heads, t, s)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * (1.0 / math.sqrt(q.shape[-1]))
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        scores = scores.float()
+    bias = None
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        bias = mask.to(scores.dtype).log()  # log(1) = 0, log(0) = -inf
+    if causal:
+        # Query i sits at position s - t + i: it sees keys 0 .. s - t + i (bottom-right aligned).
+        t, s = scores.shape[-2:]
+        future = torch.full((t, s), float("-inf"), dtype=scores.dtype, device=scores.device).triu(s - t + 1)
+        bias = future if bias is None else bias + future
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = scores * scale if bias is None else torch.add(bias, scores, alpha=scale)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     probs = rng.dropout(probs, dropout_p, dropout_p > 0.0, split_dim=1)
     return torch.matmul(probs, v)

@@ -152,7 +152,8 @@ class Transformer(nn.Module):
             forward = layer
 
         def run(*inputs: torch.Tensor) -> torch.Tensor:
-            with self.rng.region(layer.mask_draws(), inputs[0].device):
+            # a compiled layer reads its dropout keys as tensors; an eager one as integers
+            with self.rng.region(layer.mask_draws(), inputs[0].device if forward is not layer else None):
                 return forward(*inputs)
 
         if self.activation_checkpointing and torch.is_grad_enabled():
