@@ -24,6 +24,7 @@ On a CPU the step's wall time is host time: nothing runs asynchronously.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -193,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    r = measure(args.steps, args.warmup, log)
+    # with --json, stdout is the one object: what the trainer prints goes to stderr with the progress
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        r = measure(args.steps, args.warmup, log)
     if args.json:
         print(json.dumps(r))
     else:
