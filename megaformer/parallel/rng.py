@@ -34,11 +34,13 @@ activation dtype), so a bf16 activation is scaled by 1/0.9, not by bf16(1/0.9) =
 **Regions.** Each stream is a counter: a 63-bit seed and the number of keys drawn so
 far, two integers, the same on every device. A layer draws its keys when it starts
 (:meth:`DropoutRNG.region`, as many as :meth:`EncoderLayer.mask_draws` says): key
-``n`` is ``mix(seed, n)``, made on the layer's device by a fill (no host-to-device
-copy, nothing waits for the GPU), and the layer's k-th mask of a stream uses the
-k-th key. So a compiled layer reads its keys as tensor inputs and never sees a
-counter that changes from step to step, and a dropout outside any layer (the
-embeddings) draws one key of its own.
+``n`` is ``mix(seed, n)``, and the layer's k-th mask of a stream uses the k-th key.
+For a compiled layer the keys are made on its device by a fill (no host-to-device
+copy, nothing waits for the GPU), so it reads them as tensor inputs and never sees a
+counter that changes from step to step; an eager layer keeps them as Python integers
+and adds them to counters kept per device, so an eager mask makes no tensor for its
+key and no ``arange``. A dropout outside any layer (the embeddings) draws one key of
+its own.
 """
 
 from __future__ import annotations
@@ -116,11 +118,6 @@ def _random_bits16(shape: list[int], key: int | torch.Tensor, counters: torch.Te
 def _drop_levels(p: float) -> int:
     """p as a count of 2^-16 steps, at most 2^16 - 1 so that something is always kept."""
     return min(round(p * _LEVELS), _LEVELS - 1)
-
-
-def _threshold(p: float) -> int:
-    """The least 16-bit value kept: values uniform on [-2^15, 2^15) reach it with probability 1 - drop / 2^16."""
-    return _drop_levels(p) - _LEVELS // 2
 
 
 class _Stream:
@@ -212,8 +209,19 @@ class DropoutRNG:
             raise RuntimeError(f"a dropout region made more {stream} masks than it drew keys for")
         return keys.pop(0)
 
-    def _bits(self, x: torch.Tensor, split_dim: int | None) -> torch.Tensor:
-        """Signed 16-bit values, uniform on [-2^15, 2^15), one for each element of ``x`` (see keep_mask)."""
+    def _counters_for(self, shape: list[int], device: torch.device) -> torch.Tensor:
+        words = (math.prod(shape) + 3) // 4
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < words:
+            counters = self._counters[device] = _word_counters(words, device)
+        return counters
+
+    def keep_mask(self, x: torch.Tensor, p: float, split_dim: int | None) -> torch.Tensor:
+        """A 0/1 mask (dtype of ``x``) of the elements kept with probability 1 - p (p rounded to 2^-16).
+
+        ``split_dim`` names the dimension along which ``x`` is this rank's slice of a
+        tensor split over the TP group (None: ``x`` is replicated).
+        """
         shape = list(x.shape)
         narrow = None
         stream = self.stream_of(split_dim)
@@ -226,36 +234,25 @@ class DropoutRNG:
             bits = _random_bits16(shape, key)
         else:
             bits = _random_bits16(shape, key, self._counters_for(shape, x.device))
-        return bits if narrow is None else bits.narrow(*narrow)  # only this rank's slice
-
-    def _counters_for(self, shape: list[int], device: torch.device) -> torch.Tensor:
-        words = (math.prod(shape) + 3) // 4
-        counters = self._counters.get(device)
-        if counters is None or counters.numel() < words:
-            counters = self._counters[device] = _word_counters(words, device)
-        return counters
-
-    def keep_mask(self, x: torch.Tensor, p: float, split_dim: int | None) -> torch.Tensor:
-        """A 0/1 mask (dtype of ``x``) of the elements kept with probability 1 - p (p rounded to 2^-16).
-
-        ``split_dim`` names the dimension along which ``x`` is this rank's slice of a
-        tensor split over the TP group (None: ``x`` is replicated). An element is kept
-        when its 16 bits reach :func:`_threshold`, which has probability 1 - drop / 2^16.
-        """
-        bits = self._bits(x, split_dim)
+        if narrow is not None:
+            bits = bits.narrow(*narrow)  # compare only this rank's slice
+        # Signed 16-bit values are uniform on [-2^15, 2^15): an element is kept when its
+        # value reaches drop - 2^15, which has probability 1 - drop / 2^16.
+        threshold = _drop_levels(p) - _LEVELS // 2
         if torch.compiler.is_compiling():
             # 1 + the sign bit of bits - threshold: the same 0/1 without a boolean tensor, which
             # Inductor's CPU kernels store ~15x slower than a float one (the backward keeps the mask).
-            return ((bits - _threshold(p)) >> 63).add_(1).to(x.dtype)
+            return ((bits - threshold) >> 63).add_(1).to(x.dtype)
         # the comparison written straight into the mask's dtype: a boolean result converted after
         # (.to) costs 6x the comparison on a CPU (0.73 ms against 0.11 for 1536 x 256 elements)
-        return torch.ge(bits, _threshold(p), out=torch.empty(bits.shape, dtype=x.dtype, device=x.device))
+        return torch.ge(bits, threshold, out=torch.empty(bits.shape, dtype=x.dtype, device=x.device))
 
     def dropout(self, x: torch.Tensor, p: float, training: bool, split_dim: int | None = None) -> torch.Tensor:
         """x * mask / (1 - p): the scale is a Python float, applied in the compute precision."""
         if not training or p == 0.0:
             return x
-        return x.mul(self.keep_mask(x, p, split_dim)).mul_(_LEVELS / (_LEVELS - _drop_levels(p)))
+        drop = _drop_levels(p)
+        return x.mul(self.keep_mask(x, p, split_dim)).mul_(_LEVELS / (_LEVELS - drop))
 
     def state_dict(self) -> dict[str, list[int]]:
         """[seed, keys drawn] of each stream: plain integers, the same on every device."""
