@@ -219,12 +219,13 @@ def test_cpu_matmul_attention_equals_sdpa(dtype):
     g = torch.Generator().manual_seed(0)
     rng = DropoutRNG(1, LOCAL)
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    for t, s, causal in ((7, 7, False), (7, 7, True), (3, 9, True)):
+    for t, s, causal, padded in ((7, 7, False, True), (7, 7, True, True), (3, 9, True, True), (7, 7, True, False)):
         q = torch.randn(2, 4, t, 16, generator=g).to(dtype)
         k, v = (torch.randn(2, 4, s, 16, generator=g).to(dtype) for _ in range(2))
         mask = torch.ones(2, 1, 1, s, dtype=torch.bool)
-        mask[1, :, :, s - 2 :] = False  # padded keys
+        mask[1, :, :, s - 2 :] = not padded  # padded keys, or none (a decoder's self-attention: no mask)
         assert uses_matmul_attention(q, k, 0.0)
         visible = mask & torch.ones(t, s, dtype=torch.bool).tril(s - t) if causal else mask
         expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible)
-        torch.testing.assert_close(attend(q, k, v, mask, causal, 0.0, rng).float(), expected, **tol)
+        got = attend(q, k, v, mask if padded else None, causal, 0.0, rng)
+        torch.testing.assert_close(got.float(), expected, **tol)
