@@ -229,11 +229,8 @@ class DropoutRNG:
             dim = split_dim % x.dim()
             shape[dim] *= self.tp.size
             narrow = (dim, self.tp.rank * x.shape[dim], x.shape[dim])
-        key = self._next_key(stream, x.device)
-        if isinstance(key, torch.Tensor):
-            bits = _random_bits16(shape, key)
-        else:
-            bits = _random_bits16(shape, key, self._counters_for(shape, x.device))
+        counters = None if torch.compiler.is_compiling() else self._counters_for(shape, x.device)
+        bits = _random_bits16(shape, self._next_key(stream, x.device), counters)
         if narrow is not None:
             bits = bits.narrow(*narrow)  # compare only this rank's slice
         # Signed 16-bit values are uniform on [-2^15, 2^15): an element is kept when its
