@@ -1,6 +1,6 @@
 """translate / evaluate / average end to end on a tiny model trained here to reverse sentences.
 
-The model (sentencepiece trained on the fly, 300 Adam steps) reaches a BLEU far above
+The model (sentencepiece trained on the fly, 500 Adam steps) reaches a BLEU far above
 0; the commands run through ``megaformer.cli.main`` as a user would call them. Bad
 input ends with status 2 and one line on stderr, without a traceback.
 """
@@ -23,7 +23,10 @@ from megaformer.config import Config, ModelConfig
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("decode")
-    paths = make_text_checkpoint(folder, steps=300, snapshots=(250,))
+    # 500 steps, not 300: at 300 the model is mid-way up its learning curve, where the rounding of each CPU kernel
+    # level steers training elsewhere: 12 (avx2) to 21 (default) of the 39 sentences below reversed exactly, against
+    # the 13 asked for. At 500, 25-30 under default, avx2 and avx512 kernels (2026-12-06, AMD EPYC).
+    paths = make_text_checkpoint(folder, steps=500, snapshots=(450,))
     rng = random.Random(123)
     src = [random_sentence(rng) for _ in range(40)]
     src[5] = ""  # an empty line stays an empty line
@@ -32,7 +35,7 @@ def files(tmp_path_factory):
     return {
         "dir": folder,
         "model": paths["final"],
-        "step250": paths[250],
+        "step450": paths[450],
         "src": folder / "test.src",
         "ref": folder / "test.ref",
         "lines": src,
@@ -80,7 +83,7 @@ def test_translate_stdin_to_stdout(files, run, tmp_path):
     code, out, _ = run("translate", "--ckpt", files["model"], "--quiet", stdin=text)
     assert code == 0
     # The same lines through files: stdin/stdout keep order and the blank line. (The exact words of a
-    # 300-step model differ between CPUs by rounding, so they are not pinned here; BLEU tests judge quality.)
+    # 500-step model differ between CPUs by rounding, so they are not pinned here; BLEU tests judge quality.)
     (tmp_path / "in.txt").write_text(text)
     code, _, err = run(
         "translate",
@@ -95,7 +98,7 @@ def test_translate_stdin_to_stdout(files, run, tmp_path):
     assert code == 0, err
     lines = out.split("\n")
     assert lines == (tmp_path / "out.txt").read_text().split("\n") and len(lines) == 4
-    # A 300-step model reverses the first words reliably; later words vary with the training's dropout masks.
+    # A 500-step model reverses the first words reliably; later words vary with the training's dropout masks.
     assert lines[0].startswith("cat") and lines[1] == "" and lines[2].startswith("fish dog")
 
 
@@ -165,12 +168,12 @@ def test_evaluate_reads_gzip_test_sets_and_writes_gzip_hypotheses(files, run, tm
 
 def test_average_is_the_elementwise_mean(files, run, tmp_path):
     out = tmp_path / "avg.pt"
-    code, _, err = run("average", "--ckpt", files["step250"], files["model"], "--out", out)
+    code, _, err = run("average", "--ckpt", files["step450"], files["model"], "--out", out)
     assert code == 0, err
-    a, b, avg = load_consolidated(files["step250"]), load_consolidated(files["model"]), load_consolidated(out)
+    a, b, avg = load_consolidated(files["step450"]), load_consolidated(files["model"]), load_consolidated(out)
     for name, t in avg.model.items():
         torch.testing.assert_close(t, (a.model[name] + b.model[name]) / 2)
-    assert avg.tokenizer == b.tokenizer and avg.meta["averaged_steps"] == [250, 300]
+    assert avg.tokenizer == b.tokenizer and avg.meta["averaged_steps"] == [450, 500]
     code, out_text, err = run(
         "evaluate", "--ckpt", out, "--input", files["src"], "--ref", files["ref"], "--json", "--quiet"
     )
@@ -198,22 +201,22 @@ def _training_run(folder, models: dict[int, Consolidated], tokenizer) -> None:
 
 
 def test_average_last_checkpoints_of_a_run_directory(files, run, tmp_path):
-    a, b = load_consolidated(files["step250"]), load_consolidated(files["model"])
+    a, b = load_consolidated(files["step450"]), load_consolidated(files["model"])
     (tmp_path / "spm.model").write_bytes(b.tokenizer)
-    _training_run(tmp_path / "run", {100: a, 250: a, 300: b}, tmp_path / "spm.model")
-    (tmp_path / "run" / "checkpoints" / "step-00000400").mkdir()  # a torn save: no meta.json
+    _training_run(tmp_path / "run", {100: a, 450: a, 500: b}, tmp_path / "spm.model")
+    (tmp_path / "run" / "checkpoints" / "step-00000600").mkdir()  # a torn save: no meta.json
     out = tmp_path / "avg.pt"
     code, _, err = run("average", "--last", 2, "--run-dir", tmp_path / "run", "--out", out)
     assert code == 0, err
     avg = load_consolidated(out)
-    assert avg.meta["averaged_steps"] == [250, 300]
+    assert avg.meta["averaged_steps"] == [450, 500]
     for name, t in avg.model.items():
         torch.testing.assert_close(t, (a.model[name] + b.model[name]) / 2)
     code, text, err = run("translate", "--ckpt", tmp_path / "run", "--quiet", stdin="red cat\n")
     assert code == 0 and text.startswith("cat") and text.count("\n") == 1, err  # one line, reversed (see above)
     code, _, err = run("average", "--last", 4, "--run-dir", tmp_path / "run", "--out", out)
-    skipped, error = err.strip().splitlines()  # the torn step-400 is announced, then the one-line error
-    assert "skipping" in skipped and "step-00000400" in skipped
+    skipped, error = err.strip().splitlines()  # the torn step-600 is announced, then the one-line error
+    assert "skipping" in skipped and "step-00000600" in skipped
     _one_line_error(code, error, "3 complete checkpoints, --last asks for 4")
 
 
