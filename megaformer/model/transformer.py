@@ -52,6 +52,25 @@ def pad_to_multiple(ids: torch.Tensor, multiple: int, pad_id: int) -> torch.Tens
     return ids if extra == 0 else torch.nn.functional.pad(ids, (0, extra), value=pad_id)
 
 
+def _sizes_of_their_own(args: tuple) -> None:
+    """Give a compiled layer's batch and lengths a symbol each, also where two are equal.
+
+    Dynamo otherwise gives sizes that happen to be equal in the call that compiles one
+    symbol (duck sizing): a first micro-batch of as many sentences as tokens, or with a
+    source as long as its target, compiles a graph that holds only for such batches, and
+    the next one compiles the layer again (~35 s on 2 CPU cores, tests/test_compile.py).
+    Every dimension is marked but an activation's last (its width, fixed by the weights),
+    in the tensor and in the one it views (a mask is a view of the (batch, length) padding
+    flags); the same marks every call, as Dynamo guards on them. Only a call that compiles
+    reads them.
+    """
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            for tensor in (arg,) if arg._base is None else (arg, arg._base):
+                dims = tensor.dim() - 1 if tensor.is_floating_point() else tensor.dim()
+                torch._dynamo.maybe_mark_dynamic(tensor, tuple(range(dims)))
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer whose heads, d_ff and vocabulary are split over ``tp``.
 
@@ -150,6 +169,8 @@ class Transformer(nn.Module):
             # guards (Dynamo specializes sizes 0 and 1) and would compile the layer again,
             # ~20 s; the eager layer computes the same.
             forward = layer
+        if forward is not layer:
+            _sizes_of_their_own(args)
 
         def run(*inputs: torch.Tensor) -> torch.Tensor:
             # a compiled layer reads its dropout keys as tensors; an eager one as integers
