@@ -32,7 +32,8 @@ M30K_MISSING := $(strip $(foreach t,$(TESTS),$(foreach l,en de,$(if $(call m30k_
 # A checkpoint every MINUTES/24 minutes: the last 5, averaged, span the last ~20 % of any run length.
 M30K_SAVE := $(shell awk 'BEGIN { print $(MINUTES) / 24 }')
 # A machine with a CUDA GPU (nvidia-smi lists one) trains on one GPU, in one process, one micro-batch a
-# step, in bf16 with the layers compiled (train.compile=auto); MINUTES=5 is its short run. Not yet measured
+# step, in bf16 with the layers compiled (train.compile=auto), with the torch of $(VENV) (a CPU build there is
+# refused before anything runs, naming M30K_GPUS=0); MINUTES=5 is its short run. Not yet measured
 # on a GPU: docs/results.md says what has been. Set M30K_GPUS=0 to train on the CPU instead.
 M30K_GPUS ?= $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
 M30K_ON_GPU := $(filter-out 0,$(M30K_GPUS))
@@ -83,6 +84,10 @@ M30K_WARMUP := $(if $(M30K_LONG_FP32),1000,400)
 # threads trained fp32 steps of 1,000 tokens 1.10x as fast in benchmarks/cpu_processes.py (AVX2 kernels), but
 # reached only 1.03x the steps in an emulated AVX2-only hour (it decodes validations alone), valid 36.81 against
 # 37.18; bf16's 3,000-token steps measured the same within noise (docs/results.md, 2026-12-05, 2026-12-03).
+# On a GPU machine the venv's torch must see it (a CPU build there is refused in one line, before anything runs).
+M30K_CUDA_CHECK = @$(PY) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make multi30k: nvidia-smi lists \
+	a GPU, but the torch in $(VENV) (' + torch.__version__ + ') sees none: install a CUDA build of torch there, or \
+	set M30K_GPUS=0 to train on the CPU')"
 M30K_LAYOUT := $(if $(M30K_ON_GPU),--nproc 1 --set parallel.device=cuda --set data.max_tokens=3072 --set data.num_workers=2,--nproc 2)
 
 .PHONY: install lint test check demo multi30k clean
@@ -123,6 +128,7 @@ multi30k: install
 	$(if $(wildcard $(DATA)/.),,$(error DATA=$(DATA): no such folder (it holds train, val and the test sets, .en/.de)))
 	$(if $(TESTS),,$(error TESTS is empty: name at least one test set in DATA, e.g. TESTS=test_2016_flickr))
 	$(if $(M30K_MISSING),$(error TESTS: DATA=$(DATA) has no $(M30K_MISSING) (plain or .gz): set DATA or TESTS))
+	$(if $(M30K_ON_GPU),$(M30K_CUDA_CHECK))
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
 		--test $(DATA)/$(firstword $(TESTS)) --vocab-size 8000 --out $(M30K)/data --force
 	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) --set model.norm=$(M30K_NORM) \

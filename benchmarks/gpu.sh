@@ -25,7 +25,9 @@
 #    (benchmarks/gpu_throughput.py, same micro-batch) and the Trainer's share of it, and from a
 #    3-step profile (train.profile_from) the GPU's busy share and the top 10 kernels.
 #
-# Exit status: 0 when every check passes. WORK=DIR keeps the runs (default: a temporary folder).
+# Exit status: 0 when every check passes. WORK=DIR keeps the runs (default: a temporary folder);
+# CHECKS=ad runs only those checks (default abcd: a-c and d may then go in separate calls of a
+# time-limited session); LOGS=DIR receives every run's log, metrics and profile summary at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
@@ -36,6 +38,8 @@ DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
 WORK=${WORK:-$(mktemp -d /tmp/megaformer-gpu.XXXXXX)}
 mkdir -p "$WORK"
+CHECKS=${CHECKS:-abcd}
+LOGS=${LOGS:-}
 RESUME_TOL=${RESUME_TOL:-0.01}
 CROSS_TOL=${CROSS_TOL:-0.02}
 BEGAN=$SECONDS
@@ -109,8 +113,10 @@ DATA=$WORK/data
 [ -f "$DATA/manifest.json" ] || mf prepare --synthetic 4000 --out "$DATA" --quiet || exit 1
 TINY=(--config configs/tiny.yaml --set "data.path=$DATA" --set train.log_interval=1 --set train.eval_interval=0 "${SMALL[@]}")
 
+wanted() { [[ "$CHECKS" == *"$1"* ]]; }
+
 # ---- a. kill -9 and resume, nccl on one GPU -----------------------------------------------------
-for variant in "bf16 1" "fp16 2"; do
+wanted a && for variant in "bf16 1" "fp16 2"; do
     read -r precision zero <<<"$variant"
     name="a-$precision-zero$zero"
     sets=("${TINY[@]}" --set "parallel.backend=$BACKEND" --set "train.precision=$precision"
@@ -137,6 +143,7 @@ for variant in "bf16 1" "fp16 2"; do
 done
 
 # ---- b. two processes on the one GPU, gloo, TP=2 ------------------------------------------------
+if wanted b; then
 tp_sets=(--set parallel.backend=gloo)
 where="CPU tensors: this tree has no parallel.device, gloo runs on the CPU"
 runner=cpu_mf
@@ -164,8 +171,10 @@ if [ "$code" = 0 ] && [[ "$parity" != *FAILED* ]] && [[ "$trained" == "loss "*" 
 else
     result FAIL "b TP=2 gloo ($where): $parity; train exited $code, $trained (see $WORK/b-tp2.log)"
 fi
+fi
 
 # ---- c. a CPU checkpoint resumed on the GPU; translate and evaluate on the GPU ------------------
+if wanted c; then
 line=""
 csets=("${TINY[@]}" --set "train.max_steps=$CPU_STEPS" --set "train.save_interval=$CPU_SAVE")
 cpu_mf train "${csets[@]}" --set parallel.backend=gloo --run-dir "$WORK/c-cpu" --resume none >"$WORK/c-cpu.log" 2>&1
@@ -208,30 +217,35 @@ EOF
 else
     result FAIL "c translate/evaluate on $DEVICE: exit $t/$e/$e_cpu ${line:-}"
 fi
+fi
 
 # ---- d. base and big on a WMT'14-shaped corpus: the Trainer against the model alone, and a profile --
 WMT=$WORK/wmt14
-[ -f "$WMT/manifest.json" ] ||
-    mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1
-for model in base big; do
+PROFILE_STEPS=3
+wanted d && { [ -f "$WMT/manifest.json" ] ||
+    mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1; }
+wanted d && for model in base big; do
     run=$WORK/d-$model
     mf train --config "configs/transformer_$model.yaml" --set "data.path=$WMT" --set parallel.tp=1 \
         --set "parallel.backend=$BACKEND" --set train.precision=bf16 --set train.zero_stage=1 \
         --set "train.max_steps=$BIG_STEPS" --set train.save_interval=0 --set train.save_minutes=0 \
         --set train.eval_interval=0 --set "train.compile=$COMPILE" --set "train.profile_from=$PROFILE_FROM" \
-        --set train.profile_steps=3 "${BIG_SIZE[@]}" --run-dir "$run" --resume none >"$run.log" 2>&1
+        --set "train.profile_steps=$PROFILE_STEPS" "${BIG_SIZE[@]}" --run-dir "$run" --resume none >"$run.log" 2>&1
     code=$?
-    layout=$(grep -o 'train: [0-9.]*M parameters, tp=[^,]*, [0-9]* micro-batches of <= [0-9]* tokens' "$run.log" | head -1)
-    micro=$(grep -o 'micro-batches of <= [0-9]* tokens' <<<"$layout" | grep -o '[0-9]*')
+    # "1 micro-batch of <= N tokens" or "K micro-batches of <= N tokens"
+    layout=$(grep -oE 'train: [0-9.]*M parameters, tp=[^,]*, [0-9]* micro-batch(es)? of <= [0-9]* tokens' "$run.log" | head -1)
+    micro=$(grep -oE 'micro-batch(es)? of <= [0-9]* tokens' <<<"$layout" | grep -oE '[0-9]+')
     compiled=()
     [ "$COMPILE" = true ] && compiled=(--compile)
     alone=$("$PY" benchmarks/gpu_throughput.py --config "configs/transformer_$model.yaml" --device "$DEVICE" \
         --tokens "${micro:-25000}" --len 27 "${ALONE[@]}" "${compiled[@]}" --json 2>>"$run.log" | tail -1)
-    if [ "$code" = 0 ] && line=$("$PY" - "$run" "$PROFILE_FROM" "$alone" <<'EOF'
+    if [ "$code" = 0 ] && line=$("$PY" - "$run" "$((PROFILE_FROM + PROFILE_STEPS - 1))" "$alone" <<'EOF'
 import json, sys
 run, profiled, alone = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 records = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"train"' in l]
-steady = [r for r in records if r["step"] > profiled + 3] or records[-1:]  # after compiling and the profile
+# A record's rate covers the steps since the record before it: only windows that begin after the
+# profile's last step (which also synchronizes and writes the trace), so after compiling too.
+steady = [r for before, r in zip(records, records[1:]) if before["step"] >= profiled] or records[-1:]
 rate = sum(r["tokens_per_s"] for r in steady) / len(steady)
 mfu = sum(r["mfu"] for r in steady) / len(steady)
 out = f"Trainer {rate:,.0f} target tokens/s, MFU {100 * mfu:.1f} % (steps {steady[0]['step']}-{steady[-1]['step']})"
@@ -256,6 +270,11 @@ EOF
     fi
 done
 
+if [ -n "$LOGS" ]; then  # the small files only: checkpoints stay in $WORK
+    mkdir -p "$LOGS"
+    (cd "$WORK" && find . -maxdepth 3 \( -name '*.log' -o -name metrics.jsonl -o -name 'summary-rank*.json' \) \
+        -exec cp --parents {} "$LOGS" \;)
+fi
 echo
 echo "summary ($((SECONDS - BEGAN)) s, runs in $WORK):"
 printf '%s\n' "${SUMMARY[@]}"

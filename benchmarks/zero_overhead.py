@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,7 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
     from megaformer.parallel import DropoutRNG, ParallelContext
     from megaformer.parity import random_batch
     from megaformer.train.engine import build_engine
+    from megaformer.train.feed import MicroBatch
     from megaformer.train.step import accumulate
 
     rank = int(os.environ["RANK"])
@@ -70,13 +72,14 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
         engines[name] = (build_engine(cfg, ctx, model, accumulation=1), cfg)
     src, tgt_in, tgt_out = random_batch(8000, args.batch, 30, 30, seed=rank)
     batch = Batch(src, tgt_in, tgt_out, int(src.ne(0).sum()), int(tgt_out.ne(0).sum()))
+    micro = [MicroBatch(0, batch)]  # one stream, whose dropout state the model's own
     tokens = batch.tgt_tokens * 2
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.warmup + args.rounds):
         for name, (engine, _cfg) in engines.items():
             torch.distributed.barrier()
             began = time.perf_counter()
-            accumulate(engine, [batch], tokens, 0.1)
+            accumulate(engine, micro, tokens, 0.1, lambda stream: nullcontext())
             torch.distributed.barrier()
             if round_ >= args.warmup:
                 times[name].append(time.perf_counter() - began)

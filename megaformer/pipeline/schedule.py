@@ -80,6 +80,9 @@ class Pipeline:
         }
         self.per_micro_batch = {"shared": sum(c[0] for c in every), "local": sum(c[1] for c in every)}
         self.wait_seconds = 0.0  # time spent waiting for neighbours (the bubble, and transfer time)
+        # gloo's wait() returns once the transfer is done; nccl's only orders this GPU's stream after
+        # it, so on nccl the host's time in wait() is not the bubble, and is not reported as one.
+        self.host_waits = ctx.backend == "gloo"
         self._embed_grad: torch.Tensor | None = None
 
     # ---- dropout positions ------------------------------------------------------------------

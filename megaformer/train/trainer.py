@@ -466,7 +466,7 @@ class Trainer:
             "skipped_steps": self.engine.skipped_steps,
             "train_seconds": self.train_seconds,
         }
-        if self.pipeline is not None:
+        if self.pipeline is not None and self.pipeline.host_waits:
             # This stage's share of the window spent waiting for its neighbours: the bubble plus transfers.
             waited = self.pipeline.wait_seconds - window.waited_from
             record["pipeline_wait"] = waited / max(window.seconds, 1e-9)
