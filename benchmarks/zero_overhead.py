@@ -72,7 +72,7 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
         engines[name] = (build_engine(cfg, ctx, model, accumulation=1), cfg)
     src, tgt_in, tgt_out = random_batch(8000, args.batch, 30, 30, seed=rank)
     batch = Batch(src, tgt_in, tgt_out, int(src.ne(0).sum()), int(tgt_out.ne(0).sum()))
-    micro = [MicroBatch(0, batch)]  # one stream, whose dropout state the model's own
+    micro = [MicroBatch(0, batch)]  # one stream: its dropout state is the model's own
     tokens = batch.tgt_tokens * 2
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.warmup + args.rounds):

@@ -58,7 +58,7 @@ def _sizes_of_their_own(args: tuple) -> None:
     Dynamo otherwise gives sizes that happen to be equal in the call that compiles one
     symbol (duck sizing): a first micro-batch of as many sentences as tokens, or with a
     source as long as its target, compiles a graph that holds only for such batches, and
-    the next one compiles the layer again (~35 s on 2 CPU cores, tests/test_compile.py).
+    the next one compiles the layer again (~30 s on 2 CPU cores, docs/results.md).
     Every dimension is marked but an activation's last (its width, fixed by the weights),
     in the tensor and in the one it views (a mask is a view of the (batch, length) padding
     flags); the same marks every call, as Dynamo guards on them. Only a call that compiles
