@@ -36,10 +36,18 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DEVICE=${DEVICE:-cuda}
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
-WORK=${WORK:-$(mktemp -d /tmp/megaformer-gpu.XXXXXX)}
-mkdir -p "$WORK"
 CHECKS=${CHECKS:-abcd}
 LOGS=${LOGS:-}
+if [[ ! "$CHECKS" =~ ^[abcd]+$ ]]; then
+    echo "gpu.sh: CHECKS=$CHECKS: name the checks to run with the letters a, b, c and d (e.g. CHECKS=ad)" >&2
+    exit 2
+fi
+if [ -n "$LOGS" ] && ! mkdir -p "$LOGS" 2>/dev/null; then
+    echo "gpu.sh: LOGS=$LOGS: cannot make that folder (a file there, or no write permission)" >&2
+    exit 2
+fi
+WORK=${WORK:-$(mktemp -d /tmp/megaformer-gpu.XXXXXX)}
+mkdir -p "$WORK"
 RESUME_TOL=${RESUME_TOL:-0.01}
 CROSS_TOL=${CROSS_TOL:-0.02}
 BEGAN=$SECONDS
@@ -222,9 +230,10 @@ fi
 # ---- d. base and big on a WMT'14-shaped corpus: the Trainer against the model alone, and a profile --
 WMT=$WORK/wmt14
 PROFILE_STEPS=3
-wanted d && { [ -f "$WMT/manifest.json" ] ||
-    mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1; }
-wanted d && for model in base big; do
+if wanted d; then
+[ -f "$WMT/manifest.json" ] ||
+    mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1
+for model in base big; do
     run=$WORK/d-$model
     mf train --config "configs/transformer_$model.yaml" --set "data.path=$WMT" --set parallel.tp=1 \
         --set "parallel.backend=$BACKEND" --set train.precision=bf16 --set train.zero_stage=1 \
@@ -269,9 +278,9 @@ EOF
         result FAIL "d $model bf16: train exited $code (see $run.log) ${line:-}"
     fi
 done
+fi
 
 if [ -n "$LOGS" ]; then  # the small files only: checkpoints stay in $WORK
-    mkdir -p "$LOGS"
     (cd "$WORK" && find . -maxdepth 3 \( -name '*.log' -o -name metrics.jsonl -o -name 'summary-rank*.json' \) \
         -exec cp --parents {} "$LOGS" \;)
 fi

@@ -466,3 +466,17 @@ def test_cpu_processes_benchmark_refuses_a_bad_tokens_per_step_in_one_line(tmp_p
     argv = [sys.executable, str(ROOT / "benchmarks" / "cpu_processes.py"), "--data", str(tmp_path)]
     proc = subprocess.run([*argv, "--tokens-per-step", value], capture_output=True, text=True, timeout=60)
     assert_one_line_error(proc.returncode, proc.stderr, f"argument --tokens-per-step: {fragment}")
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"CHECKS": "ae"}, "CHECKS=ae: name the checks"),
+        ({"LOGS": "/dev/null/logs"}, "LOGS=/dev/null/logs: cannot make that folder"),
+    ],
+)
+def test_gpu_script_refuses_bad_checks_or_logs_in_one_line(env, fragment):
+    """benchmarks/gpu.sh checks CHECKS and LOGS before it starts anything (a GPU's time is short)."""
+    script = ROOT / "benchmarks" / "gpu.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert_one_line_error(proc.returncode, proc.stderr, fragment)

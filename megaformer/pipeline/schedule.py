@@ -80,9 +80,6 @@ class Pipeline:
         }
         self.per_micro_batch = {"shared": sum(c[0] for c in every), "local": sum(c[1] for c in every)}
         self.wait_seconds = 0.0  # time spent waiting for neighbours (the bubble, and transfer time)
-        # gloo's wait() returns once the transfer is done; nccl's only orders this GPU's stream after
-        # it, so on nccl the host's time in wait() is not the bubble, and is not reported as one.
-        self.host_waits = ctx.backend == "gloo"
         self._embed_grad: torch.Tensor | None = None
 
     # ---- dropout positions ------------------------------------------------------------------
@@ -123,6 +120,12 @@ class Pipeline:
 
     def _empty(self, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         return [torch.empty(s, dtype=self.dtype, device=self.ctx.device) for s in shapes]
+
+    @property
+    def host_waits(self) -> bool:
+        """Whether :attr:`wait_seconds` measures the bubble: gloo's wait() returns once the transfer is
+        done; nccl's only orders this GPU's stream after it, so the host hardly waits in it."""
+        return self.ctx.backend == "gloo"
 
     @property
     def dtype(self) -> torch.dtype:
