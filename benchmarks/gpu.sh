@@ -22,8 +22,10 @@
 #    eager) on a WMT'14-shaped corpus (200,000 pairs, ~27 pieces a side, 37,000 pieces) through
 #    the Trainer on one GPU, one line each: the layout, steady target tokens/s and MFU against
 #    the dense bf16 peak (H200: 989 TFLOP/s) as the Trainer logs them, the model alone
-#    (benchmarks/gpu_throughput.py, same micro-batch) and the Trainer's share of it, and from a
-#    3-step profile (train.profile_from) the GPU's busy share and the top 10 kernels.
+#    (benchmarks/gpu_throughput.py: the same micro-batch, bf16 weights with fp32 copies as
+#    DeepSpeed keeps them, so its compiled layers come from the Trainer's Inductor cache) and the
+#    Trainer's share of it, and from a 3-step profile (train.profile_from) the GPU's busy share
+#    and the top 10 kernels. --dry runs d eagerly unless COMPILE=true.
 #
 # Exit status: 0 when every check passes. WORK=DIR keeps the runs (default: a temporary folder);
 # CHECKS=ad runs only those checks (default abcd: a-c and d may then go in separate calls of a
@@ -56,7 +58,7 @@ FAILED=0
 
 if [ "$DRY" = 1 ]; then
     STEPS=20 SAVE=10 KILL_AT=12 TP_STEPS=5 CPU_STEPS=12 CPU_SAVE=6 BIG_STEPS=8 TEST_LINES=20
-    WMT_PAIRS=3000 WMT_VOCAB=4000 PROFILE_FROM=3 COMPILE=false
+    WMT_PAIRS=3000 WMT_VOCAB=4000 PROFILE_FROM=3 COMPILE=${COMPILE:-false}
     BIG_SIZE=(--set model.encoder_layers=1 --set model.decoder_layers=1 --set train.tokens_per_step=1024
         --set data.max_tokens=512 --set data.num_workers=1 --set train.log_interval=1)
     ALONE=(--set model.encoder_layers=1 --set model.decoder_layers=1 --steps 2 --warmup 1)
@@ -247,7 +249,7 @@ for model in base big; do
     compiled=()
     [ "$COMPILE" = true ] && compiled=(--compile)
     alone=$("$PY" benchmarks/gpu_throughput.py --config "configs/transformer_$model.yaml" --device "$DEVICE" \
-        --tokens "${micro:-25000}" --len 27 "${ALONE[@]}" "${compiled[@]}" --json 2>>"$run.log" | tail -1)
+        --tokens "${micro:-25000}" --len 27 --vocab-size "$WMT_VOCAB" "${ALONE[@]}" "${compiled[@]}" --json 2>>"$run.log" | tail -1)
     if [ "$code" = 0 ] && line=$("$PY" - "$run" "$((PROFILE_FROM + PROFILE_STEPS - 1))" "$alone" <<'EOF'
 import json, sys
 run, profiled, alone = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -261,6 +263,8 @@ out = f"Trainer {rate:,.0f} target tokens/s, MFU {100 * mfu:.1f} % (steps {stead
 try:
     a = json.loads(alone)
     out += f"; model alone {a['tokens_per_s']:,.0f} ({rate / a['tokens_per_s']:.2f}x)"
+    if a["compiled"]:
+        out += f" with {a['graphs_from_cache']} graphs from the cache, {a['graphs_compiled']} compiled"
 except ValueError:
     out += "; model alone: no result"
 try:
