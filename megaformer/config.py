@@ -37,6 +37,14 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each layer in backward
 
 
+# model.* settings that change how a model trains, not the function its weights compute: a resume
+# may change them, and checkpoints that differ only in them average. Every other model.* setting
+# (widths, heads, layers, norm, eps, positions) must match the checkpoint's.
+TRAINING_ONLY_MODEL_SETTINGS = frozenset(
+    {"dropout", "attention_dropout", "activation_dropout", "activation_checkpointing"}
+)
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size: heads and d_ff are split over this many ranks

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -70,6 +71,9 @@ def run_demo(work: Path, pairs: int, steps: int) -> int:
             "generate the built-in corpus and prepare shards",
             ["prepare", "--synthetic", str(pairs), "--out", str(data)],
         )
+    if run.is_dir():  # an earlier demo's run: this one starts afresh (train refuses to mix them)
+        print(f"removing the previous demo run {run}", flush=True)
+        shutil.rmtree(run)
     _run(
         f"train at TP=2 (2 processes) to step {steps // 2}",
         ["train", *common, "--resume", "none", "--set", f"train.max_steps={steps // 2}"],

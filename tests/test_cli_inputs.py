@@ -371,8 +371,43 @@ def test_an_older_checkpoint_is_announced_and_recorded(damaged_run, text_run, ru
 
 def test_average_last_defaults_to_decode_average_last(text_run, run, tmp_path):
     code, _, err = run("average", "--run-dir", text_run["run"], "--out", tmp_path / "avg.pt")
-    # decode.average_last is 5 and the run holds two checkpoints: the default was read
-    assert_one_line_error(code, err, "2 complete checkpoints, --last asks for 5")
+    # decode.average_last is 5 and the run holds two checkpoints: the default was read, and named
+    assert_one_line_error(code, err, "2 complete checkpoints, the run's decode.average_last asks for 5: pass --last 2")
+
+
+def test_average_takes_checkpoints_that_differ_only_in_dropout(text_run, run, tmp_path):
+    """A resume may change model.dropout (it changes how the weights train, not what they compute): such
+    checkpoints average; another width is still refused, naming it."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(text_run["run"], copy)
+    meta = copy / "checkpoints" / "step-00000800" / "meta.json"
+    fields = json.loads(meta.read_text())
+    fields["config"]["model"]["dropout"] = 0.3
+    meta.write_text(json.dumps(fields))
+    code, _, err = run("average", "--run-dir", copy, "--last", "2", "--out", tmp_path / "avg.pt")
+    assert code == 0, err
+    fields["config"]["model"]["d_ff"] *= 2
+    meta.write_text(json.dumps(fields))
+    code, _, err = run("average", "--run-dir", copy, "--last", "2", "--out", tmp_path / "avg2.pt")
+    assert_one_line_error(code, err, "model.d_ff")
+
+
+def test_average_without_last_takes_no_more_than_the_run_keeps(text_run, run, tmp_path):
+    """A run that keeps 2 checkpoints (train.keep_last) averages its 2 when decode.average_last asks for 5."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(text_run["run"], copy)
+    for meta in (copy / "checkpoints").glob("step-*/meta.json"):
+        fields = json.loads(meta.read_text())
+        fields["config"]["train"]["keep_last"] = 2
+        meta.write_text(json.dumps(fields))
+    code, _, err = run("average", "--run-dir", copy, "--out", tmp_path / "avg.pt")
+    assert code == 0, err
+    assert "averaging the last 2: the run keeps 2 checkpoints (train.keep_last)" in err, err
+    assert "[700, 800]" in err, err
 
 
 def test_evaluate_prints_cased_and_lowercased_bleu(text_run, run):

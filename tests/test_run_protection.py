@@ -350,12 +350,43 @@ def test_a_resume_with_nothing_left_says_which_limit_and_option(finished, shared
     assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000010"
 
 
-def test_a_resume_with_other_model_settings_names_them(finished, shared_data, tmp_path):
-    """A run directory trained post-LN, resumed pre-LN (as a recipe's new default would): the setting is named."""
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        ("model.norm=pre", "model.norm='post' (this run: 'pre')"),  # other parameter names (a recipe's new default)
+        ("model.d_model=128", "model.d_model=64 (this run: 128)"),  # other shapes: a traceback in the load before
+        ("model.num_heads=2", "model.num_heads=4 (this run: 2)"),  # the same shapes: loaded as another model before
+    ],
+)
+def test_a_resume_with_other_model_settings_names_them(finished, shared_data, tmp_path, changed, named):
+    """A run directory resumed with another architecture is refused in one line naming the setting, nothing written."""
     run = _copy_run(finished, tmp_path / "run")
-    line = _one_line_error(_train(run, shared_data, "train.max_steps=12", "model.norm=pre"), "does not match the model")
-    assert "step-00000010" in line and "model.norm='post' (this run: 'pre')" in line and "--run-dir" in line, line
+    before = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else None
+    line = _one_line_error(_train(run, shared_data, "train.max_steps=12", changed), "does not match the model")
+    assert "step-00000010" in line and named in line and "--run-dir" in line, line
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000010", "step-00000005"]
+    assert ((run / "config.yaml").read_text() if before is not None else None) == before
+
+
+def test_a_resume_may_change_dropout(finished, shared_data, tmp_path):
+    """Dropout changes how the model trains, not what its weights compute: a resume takes it."""
+    run = _copy_run(finished, tmp_path / "run")
+    proc = _train(run, shared_data, "train.max_steps=11", "model.dropout=0.3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout, proc.stdout[-3000:]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000011"
+
+
+def test_resume_none_into_a_run_dir_with_checkpoints_is_refused(finished, shared_data, tmp_path):
+    """`--resume none` where an earlier run saved: its checkpoints would mix with the new run's (pruning, auto resume)."""
+    run = _copy_run(finished, tmp_path / "run")
+    metrics = (run / "metrics.jsonl").read_text()
+    line = _one_line_error(
+        _train(run, shared_data, "train.max_steps=3", extra=("--resume", "none")), "holds an earlier run's checkpoints"
+    )
+    assert "step-00000010" in line and "--resume auto" in line and "--run-dir" in line, line
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000010", "step-00000005"]
+    assert (run / "metrics.jsonl").read_text() == metrics
 
 
 def test_resuming_on_data_of_another_tokenizer_is_refused_unless_asked_for(finished, tmp_path):

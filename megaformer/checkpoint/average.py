@@ -1,7 +1,7 @@
 """Averaging checkpoints (the paper, section 6.1): the element-wise mean of the last checkpoints' parameters.
 
-Models with different configs, vocabularies, tokenizers or parameter shapes are
-refused, naming both files.
+Models with different configs (dropout aside: it does not change what the weights
+compute), vocabularies, tokenizers or parameter shapes are refused, naming both files.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from megaformer.checkpoint.consolidated import Consolidated
 from megaformer.checkpoint.format import check_complete, checkpoint_root, list_checkpoints
-from megaformer.config import to_dict
+from megaformer.config import TRAINING_ONLY_MODEL_SETTINGS, to_dict
 from megaformer.errors import CheckpointError
 
 # ---- checkpoint averaging -------------------------------------------------------------------
@@ -24,7 +24,9 @@ def _differences(a: Consolidated, b: Consolidated) -> list[str]:
     """What keeps ``a`` and ``b`` from being averaged, as short phrases."""
     found = []
     ma, mb = to_dict(a.config)["model"], to_dict(b.config)["model"]
-    found += [f"model.{k} {ma[k]!r} vs {mb[k]!r}" for k in ma if k != "activation_checkpointing" and ma[k] != mb.get(k)]
+    found += [
+        f"model.{k} {ma[k]!r} vs {mb[k]!r}" for k in ma if k not in TRAINING_ONLY_MODEL_SETTINGS and ma[k] != mb.get(k)
+    ]
     if a.config.parallel.vocab_multiple != b.config.parallel.vocab_multiple:
         found.append("parallel.vocab_multiple differs")
     if a.vocab_size != b.vocab_size:
@@ -84,12 +86,15 @@ def average_checkpoints(
     return dataclasses.replace(last, model=mean, meta=meta)
 
 
-def last_checkpoints(run_dir: str | Path, count: int, log: Callable[[str], None] = print) -> list[Path]:
+def last_checkpoints(
+    run_dir: str | Path, count: int, log: Callable[[str], None] = print, asked_by: str = "--last"
+) -> list[Path]:
     """The ``count`` newest complete checkpoints (step directories) of a run, oldest first.
 
     Incomplete or torn step directories are skipped, each announced through ``log``
     (an average of other steps than the newest is never silent); fewer than ``count``
-    complete ones is a CheckpointError that says how many there are.
+    complete ones is a CheckpointError that says how many there are and what asked for
+    ``count`` (``asked_by``: the option, or the setting it defaulted to).
     """
     root = checkpoint_root(Path(run_dir))
     complete = []
@@ -104,4 +109,5 @@ def last_checkpoints(run_dir: str | Path, count: int, log: Callable[[str], None]
             return complete[::-1]
     if not root.is_dir():
         raise CheckpointError(f"{run_dir}: no such run directory")
-    raise CheckpointError(f"{root}: {len(complete)} complete checkpoints, --last asks for {count}")
+    fewer = "" if asked_by == "--last" else f": pass --last {max(len(complete), 1)}"
+    raise CheckpointError(f"{root}: {len(complete)} complete checkpoints, {asked_by} asks for {count}{fewer}")

@@ -11,7 +11,7 @@ import torch
 
 from megaformer.checkpoint.files import safe_torch_load
 from megaformer.checkpoint.format import TENSOR_KEYS, check_complete, model_file_name, model_files, rank_file_name
-from megaformer.config import from_dict
+from megaformer.config import TRAINING_ONLY_MODEL_SETTINGS, from_dict
 from megaformer.errors import CheckpointError
 from megaformer.files import sha256_of
 
@@ -84,19 +84,32 @@ class LoadedCheckpoint:
         return None
 
 
-def _changed_model_settings(meta: dict, model: torch.nn.Module) -> str:
-    """The model.* settings of the checkpoint's config that differ from the model's, e.g.
-    "model.norm='post' (this run: 'pre')"; empty if none differ or either side does not say."""
+def _changed_model_settings(meta: dict, now: object) -> str:
+    """The model.* settings of the checkpoint's config that differ from ``now`` (a ModelConfig), e.g.
+    "model.norm='post' (this run: 'pre')", those a resume may change (dropout) left out;
+    empty if none differ or either side does not say."""
     saved = meta.get("config")
     saved = saved.get("model") if isinstance(saved, dict) else None
-    now = getattr(model, "cfg", None)
     if not isinstance(saved, dict) or not dataclasses.is_dataclass(now):
         return ""
     return ", ".join(
         f"model.{key}={saved[key]!r} (this run: {value!r})"
         for key, value in dataclasses.asdict(now).items()
-        if key in saved and saved[key] != value
+        if key in saved and saved[key] != value and key not in TRAINING_ONLY_MODEL_SETTINGS
     )
+
+
+def check_same_model(step_dir: Path, meta: dict, model_cfg: object) -> None:
+    """A resume with other architecture settings (``model_cfg``, a ModelConfig) is refused, naming them.
+
+    Refused before anything is read or written: the weights would not fit (widths), or would
+    load and compute another function (heads, norm) without a word.
+    """
+    if changed := _changed_model_settings(meta, model_cfg):
+        raise CheckpointError(
+            f"{step_dir}: does not match the model: it was written with {changed}: resume with the checkpoint's "
+            f"settings, or train into another --run-dir"
+        )
 
 
 def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
@@ -108,6 +121,7 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
     from megaformer.parallel.sharding import shard_full
 
     meta = check_complete(step_dir)
+    check_same_model(step_dir, meta, getattr(model, "cfg", None))
     old = meta["layout"]
     names = {n for n, _ in model.named_parameters()}
     same_cut = old.get("pp", 1) == ctx.pp_size and old.get("stages") == stages
@@ -122,14 +136,15 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
         }
     if set(shard["param"]) != names:
         missing, extra = sorted(names - set(shard["param"])), sorted(set(shard["param"]) - names)
-        changed = _changed_model_settings(meta, model)
-        why = (
-            f"it was written with {changed}: resume with the checkpoint's settings, or train into another --run-dir"
-            if changed
-            else "was it written with another model.* config?"
-        )
         raise CheckpointError(
-            f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); {why}"
+            f"{step_dir}: does not match the model (missing {missing[:3]}, unexpected {extra[:3]}); "
+            f"was it written with another model.* config?"
+        )
+    shapes = dict(model.named_parameters())
+    if wrong := [n for n, t in shard["param"].items() if t.shape != shapes[n].shape]:
+        raise CheckpointError(
+            f"{step_dir}: does not match the model ({wrong[0]}: {tuple(shard['param'][wrong[0]].shape)} in the "
+            f"checkpoint, {tuple(shapes[wrong[0]].shape)} here); was it written with another model.* config?"
         )
     rl = meta["rank_layout"]
     rank = None

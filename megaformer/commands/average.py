@@ -55,11 +55,20 @@ def _stderr(message: str) -> None:
 
 
 def _run_paths(run_dir: str, last: int | None) -> list[Path]:
-    """The checkpoints of ``run_dir`` to average: ``last`` or the newest checkpoint's decode.average_last."""
-    if last is None:
-        newest = resolve_checkpoint(Path(run_dir), log=lambda m: None)  # skips are announced just below
-        last = from_dict(check_complete(newest)["config"]).decode.average_last
-    return last_checkpoints(run_dir, last, log=_stderr)
+    """The checkpoints of ``run_dir`` to average: ``last``, or the newest checkpoint's decode.average_last
+    (no more than the run keeps: its train.keep_last)."""
+    if last is not None:
+        return last_checkpoints(run_dir, last, log=_stderr)
+    newest = resolve_checkpoint(Path(run_dir), log=lambda m: None)  # skips are announced just below
+    cfg = from_dict(check_complete(newest)["config"])
+    last, asked_by = cfg.decode.average_last, "the run's decode.average_last"
+    if 0 < cfg.train.keep_last < last:
+        _stderr(
+            f"averaging the last {cfg.train.keep_last}: the run keeps {cfg.train.keep_last} checkpoints "
+            f"(train.keep_last), decode.average_last asks for {last}"
+        )
+        last, asked_by = cfg.train.keep_last, "the run's train.keep_last"
+    return last_checkpoints(run_dir, last, log=_stderr, asked_by=asked_by)
 
 
 def _check_out(out: str, paths: list[Path]) -> None:

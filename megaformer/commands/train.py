@@ -66,6 +66,8 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
+    if args.resume == "none":
+        _refuse_earlier_checkpoints(Path(run_dir))
     info = detect()
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
@@ -74,3 +76,19 @@ def _train(args: argparse.Namespace) -> int:
         )
     check_launch(cfg, world)  # fail before any process starts
     return launch(cfg, run_dir, world, args.resume, args.other_tokenizer, under_launcher=info.source != "single")
+
+
+def _refuse_earlier_checkpoints(run_dir: Path) -> None:
+    """``--resume none`` into a run directory that holds checkpoints is refused: the new run's saves would
+    mix with the earlier run's (pruning would delete the new ones first, ``--resume auto``, ``average``
+    and ``translate`` would take the old newest) and its metrics would replace theirs.
+
+    Read with pathlib alone: the launching process imports no torch (launcher.local).
+    """
+    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
+    if steps:
+        raise ConfigError(
+            f"--run-dir {run_dir}: holds an earlier run's checkpoints (newest {steps[-1]}), which --resume none "
+            f"would mix with this run's: continue it (--resume auto), train into another --run-dir, or delete "
+            f"{run_dir / 'checkpoints'} first"
+        )

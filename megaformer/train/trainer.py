@@ -67,7 +67,8 @@ class Trainer:
 
         self.start_dir = self._resume_point(resume)
         saved = ckpt.check_complete(self.start_dir) if self.start_dir else None
-        if saved:
+        if saved:  # refused before config.yaml is written: the run directory keeps the settings it was trained with
+            ckpt.check_same_model(self.start_dir, saved, cfg.model)
             ckpt.check_same_tokenizer(self.start_dir, saved, manifest, other_tokenizer, self.log)
         if ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
