@@ -132,6 +132,8 @@ def _entry(
         code = fn(*args)
     except MegaformerError as err:
         code, report = 2, (f"error: {err}", f"error: {err}")
+    except KeyboardInterrupt:  # Ctrl-C before training began (after, the trainer saves and stops): no traceback
+        code = 130
     except BaseException as err:  # a bug or a lost peer: the launcher decides what to show
         code, report = (
             1,

@@ -88,6 +88,22 @@ def test_usr1_to_the_process_group_saves_instead_of_killing_workers(corpus, tmp_
     assert list((run / "checkpoints").glob("step-*/meta.json"))
 
 
+def test_ctrl_c_saves_and_stops_every_rank_without_a_traceback(corpus, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole process group (launcher, ranks, DataLoader workers). The
+    ranks save and stop together as on SIGTERM, exit 130, and the workers live until their rank stops them."""
+    run = tmp_path / "run"
+    proc = _start(corpus, run)
+    _wait_step(run, 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code = proc.wait(timeout=180)
+    log = (tmp_path / "run.log").read_text()
+    assert code == 130, log[-3000:]
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "failed" not in log, log[-3000:]
+    assert "after SIGINT (saved, not requeued)" in log, log[-3000:]
+    saved = sorted((run / "checkpoints").glob("step-*/meta.json"))
+    assert saved and json.loads(saved[-1].read_text())["reason"] == "SIGINT"
+
+
 def test_ranks_do_not_outlive_their_launcher(corpus, tmp_path):
     """2g: the launcher killed outright: its ranks notice, save (the peers still agree) and exit."""
     run = tmp_path / "run"

@@ -77,16 +77,17 @@ def as_is(item: object) -> object:
 
 
 def ignore_trainer_signals(worker_id: int = 0) -> None:
-    """DataLoader ``worker_init_fn``: a worker ignores the signals the trainer handles (USR1, TERM).
+    """DataLoader ``worker_init_fn``: a worker ignores the signals the trainer handles (USR1, TERM, INT).
 
-    ``scancel --signal=USR1`` and SLURM's step signals reach every process of a job; a worker
-    that kept USR1's or TERM's default action would die and take its rank down instead of
-    letting the rank save (and requeue). A SIGTERM from the worker's own rank is still obeyed:
+    ``scancel --signal=USR1``, SLURM's step signals and Ctrl-C reach every process of a job; a
+    worker that kept USR1's or TERM's default action would die (one that took INT would end its
+    loop) and take its rank down instead of letting the rank save (and requeue). A SIGTERM from the worker's own rank is still obeyed:
     that is how the rank's DataLoader and multiprocessing stop workers at exit. Python
     handlers cannot see a signal's sender, so SIGTERM is blocked and a thread reads it with
     ``sigwaitinfo``, exiting only when the sender is the parent.
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     parent = os.getppid()
 
@@ -100,7 +101,7 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
 
 
 def start_workers(loader: DataLoader) -> Iterator:
-    """``iter(loader)`` with USR1 and TERM blocked while its workers start.
+    """``iter(loader)`` with USR1, TERM and INT blocked while its workers start.
 
     A rank's workers are spawned (the launcher's start method is inherited), and a spawned
     process begins with the default actions, which for USR1 and TERM kill it, until
@@ -110,7 +111,7 @@ def start_workers(loader: DataLoader) -> Iterator:
     arrive when the mask is restored. Python's resource tracker, if it starts here, inherits
     the mask too, but unblocks TERM in this thread after it started, so the mask is set again.
     """
-    screened = {signal.SIGUSR1, signal.SIGTERM}
+    screened = {signal.SIGUSR1, signal.SIGTERM, signal.SIGINT}
     held = signal.pthread_sigmask(signal.SIG_BLOCK, screened)
     try:
         resource_tracker.ensure_running()

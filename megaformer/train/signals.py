@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | ``SIGUSR1`` | SLURM, ``--signal=B:USR1@180`` (forwarded by the batch script): the time limit or a preemption is near | saves a checkpoint, requeues the job once (``scontrol requeue $SLURM_JOB_ID``), exits 0 |
 | ``SIGTERM`` | ``scancel``, the time limit without a warning, a node going down | saves if it can, does not requeue, exits 143 |
+| ``SIGINT`` | Ctrl-C in the terminal (the whole process group: launcher, ranks, loader workers), once training runs | as ``SIGTERM``, exits 130; before the first step, a rank stops at once (130) |
 
 | parent death | the launcher (torchrun, ``megaformer train --nproc``, slurmstepd) died, e.g. torchrun killed by a USR1 it does not handle | treated as ``SIGTERM``: saves if the peers can still agree, exits 143; a watchdog ends the process ``parent_grace_s`` later whatever it is doing |
 
@@ -33,6 +34,7 @@ import threading
 
 NONE, REQUEUE, TERMINATE = 0, 1, 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
 HANDLED = {signal.SIGUSR1, signal.SIGTERM}
@@ -70,9 +72,10 @@ class SignalWatch:
     def __init__(self, parent_grace_s: float = 120.0, poll_s: float = 0.5) -> None:
         self.received = NONE
         self.requeued = False
+        self.stopped_by = "SIGTERM"  # what TERMINATE came from, for the log and the exit status
         self._previous = {}
-        for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE)):
-            self._previous[sig] = signal.signal(sig, lambda *_, w=what: self._note(w))
+        for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE), (signal.SIGINT, TERMINATE)):
+            self._previous[sig] = signal.signal(sig, lambda signum, _, w=what: self._note(w, signum))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # a signal held since start-up arrives now
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
@@ -80,8 +83,15 @@ class SignalWatch:
         )
         self._watchdog.start()
 
-    def _note(self, what: int) -> None:
-        self.received = max(self.received, what)  # TERM wins over USR1
+    def _note(self, what: int, signum: int | None = None) -> None:
+        if signum == signal.SIGINT and self.received != TERMINATE:
+            self.stopped_by = "SIGINT"
+        self.received = max(self.received, what)  # TERM (or INT) wins over USR1
+
+    @property
+    def exit_status(self) -> int:
+        """The status of a run stopped by TERMINATE: 130 after Ctrl-C, 143 otherwise (the shells' 128 + signal)."""
+        return EXIT_INTERRUPTED if self.stopped_by == "SIGINT" else EXIT_TERMINATED
 
     def _watch_parent(self, launcher: Launcher, grace_s: float, poll_s: float) -> None:
         """Turn the launcher's death into TERMINATE, then end the process after ``grace_s``."""

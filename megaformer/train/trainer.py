@@ -47,7 +47,7 @@ from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.metrics import MetricsLogger, device_peak_flops
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
-from megaformer.train.signals import EXIT_TERMINATED, NONE, REQUEUE, TERMINATE, SignalWatch, requeue
+from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
 from megaformer.train.validation import Validation
 
@@ -329,15 +329,17 @@ class Trainer:
                 self._fit_warmup()
                 cooled = self._cool_down(bool(cool))
                 end = "time limit" if up else "cool-down" if cooled else None
-                self._after_step(logger, window, signal, end, bool(due))
+                self._after_step(logger, window, signal, end, bool(due), watch.stopped_by)
                 if signal == REQUEUE:
                     step = self.engine.global_steps
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
                     self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
                     return 0
                 if signal == TERMINATE:
-                    self.log(f"train: stopping at step {self.engine.global_steps} after SIGTERM (saved, not requeued)")
-                    return EXIT_TERMINATED
+                    # a peer's SIGTERM (or a lost launcher) is this rank's too; Ctrl-C reaches every rank
+                    by = watch.stopped_by
+                    self.log(f"train: stopping at step {self.engine.global_steps} after {by} (saved, not requeued)")
+                    return watch.exit_status
                 if up:
                     self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")
                     break
@@ -432,12 +434,19 @@ class Trainer:
         return cooldown is not None and self.engine.optimizer_steps >= cooldown.end
 
     def _after_step(
-        self, logger: MetricsLogger, window: Window, signal: int, end: str | None, minutes_due: bool
+        self,
+        logger: MetricsLogger,
+        window: Window,
+        signal: int,
+        end: str | None,
+        minutes_due: bool,
+        stopped_by: str = "SIGTERM",
     ) -> None:
         """Log, validate and save as scheduled (and on a signal, the time limit or the cool-down's end).
 
         ``signal``, ``end`` (why the run ends here, or None) and ``minutes_due``
-        (``train.save_minutes`` passed) are the world's: every rank takes the same branch here.
+        (``train.save_minutes`` passed) are the world's: every rank takes the same branch here;
+        ``stopped_by`` names the signal a TERMINATE came from (this rank's view, for the save's reason).
         """
         t, step = self.cfg.train, self.engine.global_steps
         if step % t.log_interval == 0 or step == t.max_steps:
@@ -448,7 +457,7 @@ class Trainer:
         scheduled = t.save_interval and step % t.save_interval == 0
         due = signal != NONE or end is not None or step == t.max_steps or minutes_due or scheduled
         if due or best:
-            reason = {TERMINATE: "SIGTERM", REQUEUE: "SIGUSR1"}.get(signal, end or "schedule")
+            reason = {TERMINATE: stopped_by, REQUEUE: "SIGUSR1"}.get(signal, end or "schedule")
             self.save(reason if due else "best", best=best)
             self._last_save = time.monotonic()
 
