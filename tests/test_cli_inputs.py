@@ -515,3 +515,22 @@ def test_gpu_script_refuses_bad_checks_or_logs_in_one_line(env, fragment):
     script = ROOT / "benchmarks" / "gpu.sh"
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
     assert_one_line_error(proc.returncode, proc.stderr, fragment)
+
+
+def test_a_data_path_without_a_manifest_says_what_it_is(tmp_path):
+    """data.path at a missing folder, at raw text (or a run directory), or at an interrupted prepare: three causes, three fixes."""
+    from megaformer.data.manifest import read_manifest
+    from megaformer.errors import DataError
+
+    with pytest.raises(DataError, match="missing does not exist .name the folder that `megaformer prepare --out`"):
+        read_manifest(tmp_path / "missing")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "train.en").write_text("a sentence\n")
+    with pytest.raises(DataError, match="raw holds no prepared data"):
+        read_manifest(raw)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "train-000000.tar").write_bytes(b"")
+    with pytest.raises(DataError, match="an interrupted prepare leaves no manifest: run it again"):
+        read_manifest(torn)

@@ -330,7 +330,8 @@ def test_console_errors_for_shards_and_tokenizers(
     out, other = tmp_path / "data", tmp_path / "other"
     assert prepare(capsys, corpus, out)[0] == 0
     assert prepare(capsys, corpus, other, "--vocab-size", "400")[0] == 0  # another tokenizer
-    assert run_cli(capsys, "inspect", str(out), "--verify", "--spm", str(out / "spm.model"))[0] == 0
+    code, said = run_cli(capsys, "inspect", str(out), "--verify", "--spm", str(out / "spm.model"))[:2]
+    assert code == 0 and "verified: " in said and "samples and sha256 as the manifest says" in said, said
 
     def console(*argv: str) -> subprocess.CompletedProcess:
         return subprocess.run(

@@ -94,5 +94,8 @@ def main(args: argparse.Namespace) -> int:
         save_consolidated(args.out, model)
     except OSError as err:
         raise CheckpointError(f"{args.out}: cannot write ({err.strerror or err})") from None
-    print(f"averaged {len(paths)} models (steps {model.meta['averaged_steps']}) into {args.out}", file=sys.stderr)
+    print(
+        f"averaged {len(paths)} model{'s' * (len(paths) != 1)} (steps {model.meta['averaged_steps']}) into {args.out}",
+        file=sys.stderr,
+    )
     return 0

@@ -48,7 +48,13 @@ def read_manifest(path: str | Path) -> dict:
     """
     path = manifest_path(path)
     if not path.is_file():
-        hint = " (an interrupted prepare leaves no manifest: run it again)" if path.parent.is_dir() else ""
+        folder = path.parent
+        if not folder.is_dir():
+            hint = f": {folder} does not exist (name the folder that `megaformer prepare --out` wrote)"
+        elif any(folder.glob("*.tar")) or (folder / "spm.model").is_file():
+            hint = " (an interrupted prepare leaves no manifest: run it again)"
+        else:  # raw text, a run directory, ...
+            hint = f": {folder} holds no prepared data (name the folder that `megaformer prepare --out` wrote)"
         raise DataError(f"{path}: no such manifest{hint}")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

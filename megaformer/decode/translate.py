@@ -152,7 +152,7 @@ class TranslationProgress:
         seconds = time.monotonic() - self.start
         if self.enabled:
             print(
-                f"translated {done} sentences in {seconds:.1f} s ({done / max(seconds, 1e-9):.1f} sentences/s)",
+                f"translated {done} sentence{'s' * (done != 1)} in {seconds:.1f} s ({done / max(seconds, 1e-9):.1f} sentences/s)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -54,7 +54,8 @@ class ParallelLayout:
         if world_size % model_ranks:
             raise ConfigError(
                 f"{model} does not divide the world size {world_size}: launch a multiple of {model_ranks} "
-                f"processes or choose a layout whose model ranks divide {world_size}"
+                f"processes (e.g. train --nproc {model_ranks} on one machine) or choose a layout whose model ranks "
+                f"divide {world_size}"
             )
         dp = cfg.dp or world_size // model_ranks
         if model_ranks * dp != world_size:

@@ -143,7 +143,7 @@ class Trainer:
         self.log(
             f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} pp={ctx.pp_size} "
             f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batch{'es' * (self.feed.accumulation > 1)} of <= "
-            f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data streams, "
+            f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data stream{'s' * (streams != 1)}, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
 
@@ -330,15 +330,13 @@ class Trainer:
                 cooled = self._cool_down(bool(cool))
                 end = "time limit" if up else "cool-down" if cooled else None
                 self._after_step(logger, window, signal, end, bool(due), watch.stopped_by)
+                step = self.engine.global_steps
                 if signal == REQUEUE:
-                    step = self.engine.global_steps
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
                     self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
                     return 0
-                if signal == TERMINATE:
-                    # a peer's SIGTERM (or a lost launcher) is this rank's too; Ctrl-C reaches every rank
-                    by = watch.stopped_by
-                    self.log(f"train: stopping at step {self.engine.global_steps} after {by} (saved, not requeued)")
+                if signal == TERMINATE:  # a peer's SIGTERM is this rank's too; Ctrl-C reaches every rank
+                    self.log(f"train: stopping at step {step} after {watch.stopped_by} (saved, not requeued)")
                     return watch.exit_status
                 if up:
                     self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")

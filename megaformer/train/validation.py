@@ -55,7 +55,8 @@ class Validation:
         if reason is None:
             sample = load_bleu_sample(cfg.data.path, cfg.train.eval_bleu_sentences, cfg.model.max_positions)
             reason = None if sample.sources else "the valid split holds no sentences"
-        log(f"train: validation BLEU {'off: ' + reason if reason else f'on {len(sample.sources)} sentences'}")
+        n = len(sample.sources) if sample is not None else 0
+        log(f"train: validation BLEU {'off: ' + reason if reason else f'on {n} sentence' + 's' * (n != 1)}")
         return sample if reason is None else None
 
     @torch.no_grad()
