@@ -244,7 +244,7 @@ def test_bad_input_is_one_line_and_status_2(files, run, tmp_path):
     _one_line_error(
         *run("evaluate", "--ckpt", files["model"], "--input", files["src"], "--ref", short_ref)[::2], "short.ref"
     )
-    _one_line_error(*run("translate", "--ckpt", files["model"], "--tp", 3, stdin="red\n")[::2], "parallel.tp=3")
+    _one_line_error(*run("translate", "--ckpt", files["model"], "--tp", 3, stdin="red\n")[::2], "--tp=3")
     _one_line_error(
         *run("average", "--last", 5, "--run-dir", tmp_path, "--out", tmp_path / "x.pt")[::2], "0 complete checkpoints"
     )

@@ -120,6 +120,14 @@ def test_info_prints_the_layout_table():
     assert "micro-batches of <=" in proc.stdout
 
 
+def test_a_refused_layout_says_why():
+    """tiny's 2,048-token steps cannot be split over 32 DP ranks: the row says refused and a line says why."""
+    argv = [sys.executable, "-m", "megaformer.cli", "info", "--config", "configs/tiny.yaml", "--world", "32"]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "refused at tp=1 dp=32: train.tokens_per_step=2048 over 32 data streams" in proc.stdout, proc.stdout
+
+
 def _pipeline(preset: str, *sets: str) -> tuple[dict, dict]:
     from megaformer.info import pipeline_info, step_info
 

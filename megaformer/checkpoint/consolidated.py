@@ -115,7 +115,7 @@ def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
     src = resolve_checkpoint(src, log)
     meta = check_complete(src)
     cfg = from_dict(meta["config"])
-    check_model_split(cfg.model, tp)
+    check_model_split(cfg.model, tp, "--tp")
     target = out if STEP_DIR.match(out.name) else out / src.name
     if target.resolve() == src.resolve():
         raise CheckpointError(f"reshard: {target} is the checkpoint being read; write to another folder")

@@ -122,3 +122,6 @@ def _print_layouts(layouts: dict, cfg: Config) -> None:
             f"{r['dp_nvlink_bytes'] / 1e9:8.2f}GB {r['dp_nic_bytes'] / 1e9:7.2f}GB {ms(1e3 * r['dp_s'])} "
             f"{ms(1e3 * r['step_s'])} {micro:>12} {_gib(r['memory_per_rank_bytes']):>10}{mark}"
         )
+    for r in layouts["estimates"]:  # why, once per reason
+        if "refused" in r:
+            print(f"refused at tp={r['tp']} dp={r['dp']}: {r['refused']}")

@@ -80,7 +80,7 @@ def load_export(path: Path) -> Consolidated | None:
 def check_layout(model: Consolidated, tp_size: int, *, source: str = "") -> None:
     """Reject a TP size the model cannot be split over, before any process starts."""
     cfg = model.config
-    check_model_split(cfg.model, tp_size)
+    check_model_split(cfg.model, tp_size, "--tp")
     padded = padded_vocab_size(model.vocab_size, tp_size, cfg.parallel.vocab_multiple)
     embed = model.model.get("embed.weight")
     if embed is not None and embed.shape[0] != padded:

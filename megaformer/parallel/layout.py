@@ -94,8 +94,8 @@ class ParallelLayout:
         return [[self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
 
 
-def check_model_split(model: ModelConfig, tp: int) -> None:
-    """Reject a model shape that cannot be split over ``tp`` ranks, saying what to change."""
+def check_model_split(model: ModelConfig, tp: int, option: str = "parallel.tp") -> None:
+    """Reject a model shape that cannot be split over ``tp`` ranks, saying what to change (``option``: what set tp)."""
     if model.d_model % model.num_heads:
         raise ConfigError(
             f"model.d_model={model.d_model} is not divisible by model.num_heads={model.num_heads}: "
@@ -103,14 +103,14 @@ def check_model_split(model: ModelConfig, tp: int) -> None:
         )
     if model.num_heads % tp:
         raise ConfigError(
-            f"model.num_heads={model.num_heads} is not divisible by parallel.tp={tp}: "
-            f"each rank must own whole heads; use parallel.tp in {_divisors(model.num_heads)} "
+            f"model.num_heads={model.num_heads} is not divisible by {option}={tp}: "
+            f"each rank must own whole heads; use {option} in {_divisors(model.num_heads)} "
             f"or num_heads a multiple of {tp}"
         )
     if model.d_ff % tp:
         raise ConfigError(
-            f"model.d_ff={model.d_ff} is not divisible by parallel.tp={tp}: "
-            f"use parallel.tp in {_divisors(model.d_ff)[:12]} or d_ff a multiple of {tp}"
+            f"model.d_ff={model.d_ff} is not divisible by {option}={tp}: "
+            f"use {option} in {_divisors(model.d_ff)[:12]} or d_ff a multiple of {tp}"
         )
 
 
