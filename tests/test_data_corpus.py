@@ -45,6 +45,9 @@ def test_find_side_prefers_plain_then_gz(tmp_path: Path) -> None:
     assert find_side(tmp_path / "c", "en").name == "c.en"
     with pytest.raises(DataError, match=r"c\.de: no such file \(nor .*c\.de\.gz\)"):
         find_side(tmp_path / "c", "de")
+    # a side's file given where the prefix belongs (--train train.en.gz): the message names the prefix
+    with pytest.raises(DataError, match=r"c\.en\.gz is a file; --train, --valid and --test take the prefix .*/c\)"):
+        find_side(tmp_path / "c.en.gz", "en")
 
 
 def test_reads_both_sides_in_step_plain_and_gzip(tmp_path: Path) -> None:

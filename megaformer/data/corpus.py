@@ -57,6 +57,13 @@ def find_side(prefix: str | Path, lang: str) -> Path:
     for candidate in (plain, Path(f"{plain}.gz")):
         if candidate.is_file():
             return candidate
+    given = Path(prefix)
+    if given.is_file():  # a side's file where its prefix belongs: train.en.gz for train
+        stem = given.name.removesuffix(".gz").rsplit(".", 1)[0]
+        raise DataError(
+            f"{plain}: no such file (nor {plain}.gz): {given} is a file; --train, --valid and --test take the "
+            f"prefix of both sides' files ({given.parent / stem})"
+        )
     raise DataError(f"{plain}: no such file (nor {plain}.gz)")
 
 
