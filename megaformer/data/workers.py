@@ -81,10 +81,10 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
 
     ``scancel --signal=USR1``, SLURM's step signals and Ctrl-C reach every process of a job; a
     worker that kept USR1's or TERM's default action would die (one that took INT would end its
-    loop) and take its rank down instead of letting the rank save (and requeue). A SIGTERM from the worker's own rank is still obeyed:
-    that is how the rank's DataLoader and multiprocessing stop workers at exit. Python
-    handlers cannot see a signal's sender, so SIGTERM is blocked and a thread reads it with
-    ``sigwaitinfo``, exiting only when the sender is the parent.
+    loop) and take its rank down instead of letting the rank save (and requeue). A SIGTERM from
+    the worker's own rank is still obeyed: that is how the rank's DataLoader and multiprocessing
+    stop workers at exit. Python handlers cannot see a signal's sender, so SIGTERM is blocked and
+    a thread reads it with ``sigwaitinfo``, exiting only when the sender is the parent.
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
