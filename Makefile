@@ -13,6 +13,12 @@ TORCH_SPEC ?= torch==2.13.0
 # never resumes the 60-minute one.
 DATA ?= ../shared/data/multi30k
 MINUTES ?= 60
+# MINUTES is checked before anything uses it: awk reads "abc" as 0 (0 is no time limit) and "" as a syntax error.
+ifneq ($(filter multi30k,$(MAKECMDGOALS)),)
+ifeq ($(shell echo '$(MINUTES)' | grep -Eqx '[0-9]*\.?[0-9]+' && awk 'BEGIN { exit !($(MINUTES) > 0) }' && echo ok),)
+$(error MINUTES=$(MINUTES): the training minutes, a number above 0 (e.g. MINUTES=15))
+endif
+endif
 # Test sets in DATA (NAME.en and NAME.de, plain or .gz), each scored once at the end; the first is also
 # prepared with the data. Multi30k's task 1 has test_2017_flickr, test_2017_mscoco and test_2018_flickr too.
 TESTS ?= test_2016_flickr

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Transformer (big), WMT en-de: 8 GPUs per node, tensor parallelism inside the node
-# (parallel.tp=8 in the config), ZeRO data parallelism across nodes.
+# (parallel.tp=4 in the config), ZeRO data parallelism across nodes.
 #   sbatch slurm/train_big.sh --set data.path=/data/wmt14_en_de
 #SBATCH --job-name=megaformer-big
 #SBATCH --nodes=4

@@ -250,3 +250,12 @@ def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_befo
     nowhere = _make_n(tmp_path / "nowhere")
     assert nowhere.returncode != 0 and "megaformer.cli" not in nowhere.stdout, nowhere.stdout
     assert f"DATA={tmp_path / 'nowhere'}: no such folder" in nowhere.stderr, nowhere.stderr
+
+
+@pytest.mark.parametrize("minutes", ["abc", "", "0", "-5"])
+def test_make_multi30k_refuses_minutes_that_are_not_a_positive_number_before_anything_runs(tmp_path, minutes):
+    """MINUTES=abc read as 0 by awk trained without a time limit (0 is none); "" gave awk syntax errors."""
+    proc = _make_n(_multi30k_data(tmp_path), f"MINUTES={minutes}", "M30K_GPUS=0")
+    assert proc.returncode != 0 and "megaformer.cli" not in proc.stdout, proc.stdout
+    assert f"MINUTES={minutes}: the training minutes, a number above 0" in proc.stderr, proc.stderr
+    assert "awk" not in proc.stderr, proc.stderr

@@ -117,6 +117,7 @@ DOMAIN = [
     (("train", "--config", "{bool_yaml}"), "parallel.tp: expected int, got the boolean true"),
     (("info", "--config", "{tiny}", "--set", "decode.beam=0"), "decode.beam=0"),
     (("parity", "--config", "{tiny}", "--tp", "0"), "argument --tp: must be at least 1"),
+    (("parity", "--config", "{tiny}"), "tp=1 x pp=1 against TP=1 compares nothing"),  # it passed, checking nothing
     (("parity", "--config", "{tiny}", "--tp", "2", "--batch", "0"), "argument --batch"),
     (("parity", "--config", "{tiny}", "--pp", "0"), "argument --pp: must be at least 1"),
     (("parity", "--config", "{tiny}", "--pp", "true"), "argument --pp: expected an integer"),

@@ -111,8 +111,9 @@ def test_mask_draws_count_what_a_forward_draws():
             "--set",
             "model.attention_dropout=0.1",
         ],
+        ["--set", "parallel.tp=2", "--set", "parallel.pp=2"],  # without --tp/--pp: the config's (it checked TP=1)
     ],
-    ids=["pp2", "pp4", "pp2-tp2", "pp3-uneven"],
+    ids=["pp2", "pp4", "pp2-tp2", "pp3-uneven", "tp2-pp2-of-the-config"],
 )
 def test_parity_command(layout):
     proc = subprocess.run(
@@ -135,6 +136,8 @@ def test_parity_command(layout):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS: largest relative difference" in proc.stdout
+    if layout[-1] == "parallel.pp=2":  # the config's layout, not TP=1 against itself
+        assert "parity TP=2 PP=2 vs TP=1" in proc.stdout, proc.stdout[:500]
 
 
 # ---- training ------------------------------------------------------------------------------------------------

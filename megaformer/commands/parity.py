@@ -1,7 +1,7 @@
 """``megaformer parity``: a TP=N (x PP) model against the TP=1 model from the same seed.
 
-``--tp`` and ``--pp`` set ``parallel.tp`` and ``parallel.pp`` of ``--config`` (with
-``parallel.dp=0``), and :func:`megaformer.parity.run_parity` runs the check: it starts
+``--tp`` and ``--pp`` set ``parallel.tp`` and ``parallel.pp`` of ``--config`` (by default the
+config's own, after ``--set``; with ``parallel.dp=0``; TP=1 x PP=1 compares nothing and is refused), and :func:`megaformer.parity.run_parity` runs the check: it starts
 tp x pp gloo processes itself, or uses those torchrun, srun or the DeepSpeed launcher
 gave it. Exits non-zero beyond ``--tolerance``.
 """
@@ -12,14 +12,25 @@ import argparse
 
 from megaformer.cli_args import existing_file, finite_float, positive_int
 from megaformer.config import load_config
+from megaformer.errors import ConfigError
 from megaformer.parity import ParitySettings, run_parity
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=existing_file, required=True, help="YAML config (e.g. configs/tiny.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to check against TP=1")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline stages to check against one (1F1B, with --tp)")
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        help="tensor-parallel size to check against TP=1 (default: the config's)",
+    )
+    p.add_argument(
+        "--pp",
+        type=positive_int,
+        default=None,
+        help="pipeline stages to check against one (1F1B; default: the config's)",
+    )
     p.add_argument(
         "--micro-batches", type=positive_int, default=4, help="with --pp: the batch's rows cut into this many"
     )
@@ -34,9 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + [f"parallel.tp={args.tp}", f"parallel.pp={args.pp}", "parallel.dp=0"]
+    given = [f"parallel.{k}={v}" for k, v in (("tp", args.tp), ("pp", args.pp)) if v is not None]
+    configured = load_config(args.config, [*args.overrides, *given]).parallel
+    tp, pp = configured.tp, configured.pp
+    if tp * pp == 1:
+        raise ConfigError(
+            f"parity: tp=1 x pp=1 against TP=1 compares nothing ({args.config} sets parallel.tp=1, parallel.pp=1): "
+            f"pass --tp N or --pp N"
+        )
+    overrides = list(args.overrides) + [f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.dp=0"]
     if args.sequence_parallel:  # the parity batch's lengths are multiples of tp (checked): nothing is padded
-        overrides = [f"parallel.pad_to_multiple={args.tp}", *overrides, "parallel.sequence_parallel=true"]
+        overrides = [f"parallel.pad_to_multiple={tp}", *overrides, "parallel.sequence_parallel=true"]
     cfg = load_config(args.config, overrides)
     settings = ParitySettings(
         batch=args.batch,

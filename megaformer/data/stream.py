@@ -281,8 +281,9 @@ class TokenBatchStream:
         need = int(longest[kept].max()) + 1
         if need > self.settings.max_tokens:
             raise DataError(
-                f"max_tokens={self.settings.max_tokens} cannot hold the longest {self.split} sample "
-                f"({need} tokens with eos): raise max_tokens to at least {need} or lower max_len"
+                f"data.max_tokens={self.settings.max_tokens} cannot hold the longest {self.split} sample "
+                f"({need} tokens with eos): raise data.max_tokens to at least {need}, or set data.max_len below "
+                f"{need - 1} to leave the longest samples out"
             )
 
     @property
