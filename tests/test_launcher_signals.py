@@ -74,14 +74,19 @@ def _ranks(launcher: int) -> list[int]:
     return [rank for server in servers for rank in _children(server)]
 
 
-def test_usr1_to_the_process_group_saves_instead_of_killing_workers(corpus, tmp_path):
-    """2f: `kill -USR1 -PGID`, as SLURM's step signals do: DataLoader workers ignore it, the ranks save."""
+def _signal_the_group(corpus: Path, tmp_path: Path, sig: signal.Signals) -> tuple[Path, int, str]:
+    """``train --nproc 2`` with a loader worker, ``sig`` to its whole process group at step 3: (run, exit status, log)."""
     run = tmp_path / "run"
     proc = _start(corpus, run)
     _wait_step(run, 3, proc)
-    os.killpg(proc.pid, signal.SIGUSR1)
+    os.killpg(proc.pid, sig)
     code = proc.wait(timeout=180)
-    log = (tmp_path / "run.log").read_text()
+    return run, code, (tmp_path / "run.log").read_text()
+
+
+def test_usr1_to_the_process_group_saves_instead_of_killing_workers(corpus, tmp_path):
+    """2f: `kill -USR1 -PGID`, as SLURM's step signals do: DataLoader workers ignore it, the ranks save."""
+    run, code, log = _signal_the_group(corpus, tmp_path, signal.SIGUSR1)
     assert code == 0, log[-3000:]
     assert "is killed by signal" not in log and "after SIGUSR1" in log, log[-3000:]
     assert "USR1 outside a SLURM job: checkpoint saved" in log
@@ -91,12 +96,7 @@ def test_usr1_to_the_process_group_saves_instead_of_killing_workers(corpus, tmp_
 def test_ctrl_c_saves_and_stops_every_rank_without_a_traceback(corpus, tmp_path):
     """Ctrl-C in a terminal: SIGINT to the whole process group (launcher, ranks, DataLoader workers). The
     ranks save and stop together as on SIGTERM, exit 130, and the workers live until their rank stops them."""
-    run = tmp_path / "run"
-    proc = _start(corpus, run)
-    _wait_step(run, 3, proc)
-    os.killpg(proc.pid, signal.SIGINT)
-    code = proc.wait(timeout=180)
-    log = (tmp_path / "run.log").read_text()
+    run, code, log = _signal_the_group(corpus, tmp_path, signal.SIGINT)
     assert code == 130, log[-3000:]
     assert "Traceback" not in log and "KeyboardInterrupt" not in log and "failed" not in log, log[-3000:]
     assert "after SIGINT (saved, not requeued)" in log, log[-3000:]
