@@ -1,9 +1,10 @@
 """``megaformer parity``: a TP=N (x PP) model against the TP=1 model from the same seed.
 
 ``--tp`` and ``--pp`` set ``parallel.tp`` and ``parallel.pp`` of ``--config`` (by default the
-config's own, after ``--set``; with ``parallel.dp=0``; TP=1 x PP=1 compares nothing and is refused), and :func:`megaformer.parity.run_parity` runs the check: it starts
-tp x pp gloo processes itself, or uses those torchrun, srun or the DeepSpeed launcher
-gave it. Exits non-zero beyond ``--tolerance``.
+config's own, after ``--set``; with ``parallel.dp=0``; TP=1 x PP=1 compares nothing and is
+refused), and :func:`megaformer.parity.run_parity` runs the check: it starts tp x pp gloo
+processes itself, or uses those torchrun, srun or the DeepSpeed launcher gave it. Exits
+non-zero beyond ``--tolerance``.
 """
 
 from __future__ import annotations
