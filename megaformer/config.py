@@ -222,6 +222,19 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it keeps the last without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build a :class:`Config` from defaults, then a YAML file, then ``a.b=c`` overrides; validate it."""
     cfg = Config()
@@ -230,7 +243,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            values = yaml.safe_load(path.read_text()) or {}
+            values = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no objects built
         except yaml.YAMLError as err:  # one line: the problem and where, not PyYAML's multi-line picture
             mark = getattr(err, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

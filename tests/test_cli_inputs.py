@@ -116,6 +116,7 @@ DOMAIN = [
     (("train", "--config", "{tiny}", "--set", "train.zero_bucket_size=-5"), "train.zero_bucket_size=-5"),
     (("train", "--config", "{bool_yaml}"), "parallel.tp: expected int, got the boolean true"),
     (("info", "--config", "{tiny}", "--set", "decode.beam=0"), "decode.beam=0"),
+    (("info", "--config", "{tiny}", "--world", "0"), "argument --world: must be at least 1"),  # meant 32 GPUs
     (("parity", "--config", "{tiny}", "--tp", "0"), "argument --tp: must be at least 1"),
     (("parity", "--config", "{tiny}"), "tp=1 x pp=1 against TP=1 compares nothing"),  # it passed, checking nothing
     (("parity", "--config", "{tiny}", "--tp", "2", "--batch", "0"), "argument --batch"),
@@ -535,3 +536,11 @@ def test_a_data_path_without_a_manifest_says_what_it_is(tmp_path):
     (torn / "train-000000.tar").write_bytes(b"")
     with pytest.raises(DataError, match="an interrupted prepare leaves no manifest: run it again"):
         read_manifest(torn)
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path):
+    """YAML keeps the last of two equal keys without a word: d_model 64 then 128 trained a 128-wide model."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("model:\n  d_model: 64\n  d_model: 128\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML \(line 3, column 3\): 'd_model' is given twice"):
+        load_config(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megaformer.cli_args import existing_file, finite_float, nonneg_int, positive_int
+from megaformer.cli_args import existing_file, finite_float, positive_int
 from megaformer.config import Config, load_config
 from megaformer.info import config_info, fastest
 from megaformer.layout_cost import Hardware
@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
         "--world",
-        type=nonneg_int,
-        default=0,
+        type=positive_int,
+        default=None,
         help="GPUs the layouts are compared for (default: tp x dp x pp, or 32 if dp=0)",
     )
     p.add_argument("--gpus-per-node", type=positive_int, default=Hardware.gpus_per_node)
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     hw = Hardware(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, nic_gbs=args.nic_gbs)
-    info = config_info(cfg, args.world, hw)
+    info = config_info(cfg, args.world or 0, hw)  # 0: the config's world
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
