@@ -374,6 +374,7 @@ def test_a_resume_may_change_dropout(finished, shared_data, tmp_path):
     proc = _train(run, shared_data, "train.max_steps=11", "model.dropout=0.3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout, proc.stdout[-3000:]
+    assert "changed since the checkpoint: model.dropout 0.1 -> 0.3" in proc.stdout, proc.stdout[-3000:]
     assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000011"
 
 

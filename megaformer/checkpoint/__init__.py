@@ -69,6 +69,7 @@ from megaformer.checkpoint.format import (
 )
 from megaformer.checkpoint.load import (
     LoadedCheckpoint,
+    changed_since,
     check_same_model,
     check_same_tokenizer,
     load_checkpoint,
@@ -81,6 +82,7 @@ from megaformer.checkpoint.save import CheckpointState, file_entries, save_check
 from megaformer.files import atomic_torch_save, atomic_write_text, sha256_of
 
 __all__ = [
+    "changed_since",
     "check_same_model",
     "check_same_tokenizer",
     "CHECKPOINT_FORMAT",

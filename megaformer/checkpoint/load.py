@@ -11,7 +11,7 @@ import torch
 
 from megaformer.checkpoint.files import safe_torch_load
 from megaformer.checkpoint.format import TENSOR_KEYS, check_complete, model_file_name, model_files, rank_file_name
-from megaformer.config import TRAINING_ONLY_MODEL_SETTINGS, from_dict
+from megaformer.config import TRAINING_ONLY_MODEL_SETTINGS, from_dict, to_dict
 from megaformer.errors import CheckpointError
 from megaformer.files import sha256_of
 
@@ -110,6 +110,30 @@ def check_same_model(step_dir: Path, meta: dict, model_cfg: object) -> None:
             f"{step_dir}: does not match the model: it was written with {changed}: resume with the checkpoint's "
             f"settings, or train into another --run-dir"
         )
+
+
+# Settings a resume may change that change how the run computes (the layout's sizes are said beside them).
+RESUMABLE_CHANGES = (
+    *(("model", k) for k in sorted(TRAINING_ONLY_MODEL_SETTINGS)),
+    ("train", "precision"),
+    ("train", "zero_stage"),
+    ("parallel", "pp_split"),
+    ("parallel", "sequence_parallel"),
+    ("parallel", "pad_to_multiple"),
+)
+
+
+def changed_since(saved: dict | None, cfg: object) -> str:
+    """Those of :data:`RESUMABLE_CHANGES` that differ between a checkpoint's config and ``cfg``, e.g.
+    "train.precision 'fp32' -> 'bf16'"; empty if none (or the checkpoint holds no config)."""
+    if not isinstance(saved, dict):
+        return ""
+    now = to_dict(cfg)
+    return ", ".join(
+        f"{section}.{key} {saved[section][key]!r} -> {now[section][key]!r}"
+        for section, key in RESUMABLE_CHANGES
+        if key in saved.get(section, {}) and saved[section][key] != now[section][key]
+    )
 
 
 def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:

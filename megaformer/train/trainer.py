@@ -214,6 +214,8 @@ class Trainer:
 
         change = f", layout {say(before)} -> {say(after)}" if before != after else ""
         self.log(f"train: resumed from {step_dir} (step {loaded.meta['step']}, {self.tokens:,} target tokens{change})")
+        if since := ckpt.changed_since(loaded.meta.get("config"), self.cfg):
+            self.log(f"train: changed since the checkpoint: {since}")
 
     def _stage_counts(self) -> list[int] | None:
         """Layers per pipeline stage, as meta.json keeps them (None without a pipeline)."""
