@@ -6,8 +6,9 @@ target tokens/s and MFU = 6 x parameters x tokens/s / peak. In bf16 the model ho
 weights in bf16 and the optimizer fp32 copies of them, as the Trainer's DeepSpeed bf16 does
 (its gradients added into fp32 ones, one fused Adam step over the fp32 copies, the result
 copied back): the layers compute what the Trainer's compute, in the same dtypes, so that
-compiled layers are the same graphs (Inductor's cache serves a run after ``megaformer train``). The peak is the device's
-dense bf16 tensor-core figure from megaformer.train.metrics (or --peak-tflops).
+compiled layers are the same graphs (Inductor's cache serves a run after ``megaformer
+train``). The peak is the device's dense bf16 tensor-core figure from
+megaformer.train.metrics (or --peak-tflops).
 Attention-score FLOPs are not counted (they are ~2 % at these lengths), so MFU is a
 slight under-estimate. ``--compile`` compiles each layer as ``train.compile=true`` does
 (the warm-up steps compile them; the JSON counts the graphs Inductor's cache served and
@@ -32,6 +33,7 @@ compile_cache_defaults()  # Inductor's and AOTAutograd's caches where `megaforme
 
 import torch  # noqa: E402
 
+from megaformer.cli_args import int_range  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
 from megaformer.info import model_info  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
@@ -47,7 +49,9 @@ def main() -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--tokens", type=int, default=25000, help="target tokens per step (the paper's batch)")
     p.add_argument("--len", type=int, default=32, help="tokens per sentence, each side")
-    p.add_argument("--vocab-size", type=int, default=37000, help="pieces in the vocabulary (WMT'14 en-de's 37,000)")
+    p.add_argument(
+        "--vocab-size", type=int_range(4), default=37000, help="pieces in the vocabulary (WMT'14 en-de's 37,000)"
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -505,6 +505,14 @@ def test_cpu_processes_benchmark_refuses_a_bad_tokens_per_step_in_one_line(tmp_p
     assert_one_line_error(proc.returncode, proc.stderr, f"argument --tokens-per-step: {fragment}")
 
 
+@pytest.mark.parametrize(("value", "fragment"), [("3", "must be at least 4, got 3"), ("nan", "expected an integer")])
+def test_gpu_throughput_refuses_a_bad_vocabulary_size_in_one_line(value, fragment):
+    """gpu.sh passes its corpus's vocabulary to the model-alone benchmark; a bad one is one line, before torch works."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--device", "cpu", "--vocab-size", value]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, f"argument --vocab-size: {fragment}")
+
+
 @pytest.mark.parametrize(
     ("env", "fragment"),
     [

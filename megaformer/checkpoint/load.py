@@ -84,30 +84,32 @@ class LoadedCheckpoint:
         return None
 
 
-def _changed_model_settings(meta: dict, now: object) -> str:
-    """The model.* settings of the checkpoint's config that differ from ``now`` (a ModelConfig), e.g.
-    "model.norm='post' (this run: 'pre')", those a resume may change (dropout) left out;
-    empty if none differ or either side does not say."""
-    saved = meta.get("config")
-    saved = saved.get("model") if isinstance(saved, dict) else None
-    if not isinstance(saved, dict) or not dataclasses.is_dataclass(now):
-        return ""
-    return ", ".join(
-        f"model.{key}={saved[key]!r} (this run: {value!r})"
-        for key, value in dataclasses.asdict(now).items()
-        if key in saved and saved[key] != value and key not in TRAINING_ONLY_MODEL_SETTINGS
-    )
+def _config_changes(saved: object, now: dict, keys) -> list[tuple[str, object, object]]:
+    """("section.key", the checkpoint's value, this run's) for each (section, key) of ``keys`` whose values
+    differ between a checkpoint's config (``saved``, as meta.json holds it) and ``now``; none where either
+    side does not say."""
+    if not isinstance(saved, dict):
+        return []
+    return [
+        (f"{section}.{key}", saved[section][key], now[section][key])
+        for section, key in keys
+        if isinstance(saved.get(section), dict) and key in saved[section] and saved[section][key] != now[section][key]
+    ]
 
 
 def check_same_model(step_dir: Path, meta: dict, model_cfg: object) -> None:
-    """A resume with other architecture settings (``model_cfg``, a ModelConfig) is refused, naming them.
+    """A resume with other architecture settings (``model_cfg``, a ModelConfig) is refused, naming them,
+    e.g. "model.norm='post' (this run: 'pre')"; those a resume may change (dropout) are left out.
 
     Refused before anything is read or written: the weights would not fit (widths), or would
     load and compute another function (heads, norm) without a word.
     """
-    if changed := _changed_model_settings(meta, model_cfg):
+    now = {"model": dataclasses.asdict(model_cfg)}
+    keys = [("model", key) for key in now["model"] if key not in TRAINING_ONLY_MODEL_SETTINGS]
+    if changes := _config_changes(meta.get("config"), now, keys):
+        written = ", ".join(f"{name}={old!r} (this run: {new!r})" for name, old, new in changes)
         raise CheckpointError(
-            f"{step_dir}: does not match the model: it was written with {changed}: resume with the checkpoint's "
+            f"{step_dir}: does not match the model: it was written with {written}: resume with the checkpoint's "
             f"settings, or train into another --run-dir"
         )
 
@@ -126,14 +128,7 @@ RESUMABLE_CHANGES = (
 def changed_since(saved: dict | None, cfg: object) -> str:
     """Those of :data:`RESUMABLE_CHANGES` that differ between a checkpoint's config and ``cfg``, e.g.
     "train.precision 'fp32' -> 'bf16'"; empty if none (or the checkpoint holds no config)."""
-    if not isinstance(saved, dict):
-        return ""
-    now = to_dict(cfg)
-    return ", ".join(
-        f"{section}.{key} {saved[section][key]!r} -> {now[section][key]!r}"
-        for section, key in RESUMABLE_CHANGES
-        if key in saved.get(section, {}) and saved[section][key] != now[section][key]
-    )
+    return ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in _config_changes(saved, to_dict(cfg), RESUMABLE_CHANGES))
 
 
 def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
@@ -141,11 +136,12 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
 
     ``stages``: layers per pipeline stage of this run (None without a pipeline); a
     checkpoint cut otherwise (another pp or pp_split) is merged and this stage's layers taken.
+    The caller has checked the model's settings (:func:`check_same_model`, before the run
+    directory is written); names and shapes are checked here.
     """
     from megaformer.parallel.sharding import shard_full
 
     meta = check_complete(step_dir)
-    check_same_model(step_dir, meta, getattr(model, "cfg", None))
     old = meta["layout"]
     names = {n for n, _ in model.named_parameters()}
     same_cut = old.get("pp", 1) == ctx.pp_size and old.get("stages") == stages
