@@ -128,7 +128,9 @@ RESUMABLE_CHANGES = (
 def changed_since(saved: dict | None, cfg: object) -> str:
     """Those of :data:`RESUMABLE_CHANGES` that differ between a checkpoint's config and ``cfg``, e.g.
     "train.precision 'fp32' -> 'bf16'"; empty if none (or the checkpoint holds no config)."""
-    return ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in _config_changes(saved, to_dict(cfg), RESUMABLE_CHANGES))
+    return ", ".join(
+        f"{name} {old!r} -> {new!r}" for name, old, new in _config_changes(saved, to_dict(cfg), RESUMABLE_CHANGES)
+    )
 
 
 def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
