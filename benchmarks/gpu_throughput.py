@@ -18,7 +18,6 @@ check the script.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaformer.cli import compile_cache_defaults  # noqa: E402
+from megaformer.cli import Parser, compile_cache_defaults  # noqa: E402
 
 compile_cache_defaults()  # Inductor's and AOTAutograd's caches where `megaformer train` keeps them: before torch
 
@@ -43,7 +42,7 @@ from megaformer.train.metrics import device_peak_flops  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="gpu_throughput", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
