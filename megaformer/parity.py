@@ -234,9 +234,10 @@ def _print_report(report: ParityReport, cfg: Config, settings: ParitySettings, b
     )
     layout = f"TP={cfg.parallel.tp} PP={cfg.parallel.pp}" if cfg.parallel.pp > 1 else f"TP={cfg.parallel.tp}"
     cut = f", {settings.micro_batches} micro-batches, pp_split={cfg.parallel.pp_split or 'balanced'}"
+    precision = "fp32" + (f", not train.precision={cfg.train.precision}" if cfg.train.precision != "fp32" else "")
     print(
-        f"parity {layout} vs TP=1{cut if cfg.parallel.pp > 1 else ''} "
-        f"(sequence_parallel={cfg.parallel.sequence_parallel}, "
+        f"parity {layout} vs TP=1{cut if cfg.parallel.pp > 1 else ''} ({precision}, "
+        f"sequence_parallel={cfg.parallel.sequence_parallel and cfg.parallel.tp > 1}, "
         f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={backend})"
     )
     print(f"loss: {layout} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")

@@ -127,6 +127,12 @@ DOMAIN = [
         ("parity", "--config", "{tiny}", "--pp", "2", "--micro-batches", "9"),
         "--micro-batches 9 is more than the --batch 4",
     ),
+    # accepted and ignored before: no pipeline to cut the batch for, no TP ranks to split the sequence over
+    (
+        ("parity", "--config", "{tiny}", "--tp", "2", "--micro-batches", "2"),
+        "--micro-batches cuts the batch for a pipeline",
+    ),
+    (("parity", "--config", "{tiny}", "--pp", "2", "--sequence-parallel"), "--sequence-parallel splits the sequence"),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=0"), "parallel.pp=0: must be in [1, inf]"),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=1.5"), "parallel.pp: expected an integer"),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=2", "--set", "parallel.pp_split=a,b"), "expected comma-sep"),

@@ -155,7 +155,10 @@ def test_parity_command(tp, model):
     args = [sys.executable, "-m", "megaformer.cli", "parity", "--config", str(TINY), "--tp", str(tp)]
     args += ["--set", "parallel.backend=gloo"]
     if model == "12-heads":
-        args += [a for o in WIDE for a in ("--set", o)]
+        args += [a for o in WIDE for a in ("--set", o)] + ["--set", "train.precision=bf16"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASS: largest relative difference" in proc.stdout
+    # parity compares fp32 models whatever the config trains in, and says so
+    precision = "fp32, not train.precision=bf16" if model == "12-heads" else "fp32, sequence_parallel=False"
+    assert f"vs TP=1 ({precision}" in proc.stdout

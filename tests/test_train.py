@@ -307,11 +307,17 @@ def test_sequence_parallel_trains_what_tp1_trains_and_validates_any_length(corpu
     Sequence parallelism pads each batch to a multiple of tp and the dropout masks are drawn at
     that shape, so the reference pads the same way (parallel.pad_to_multiple=2; the config
     refuses SP without it, tests/test_config.py). Unpadded, step 1's loss differed by 1.6e-3
-    relative. Validation pads as the training loss does.
+    relative. Validation pads as the training loss does. At tp=1 the setting has nothing to
+    split and the log says it is ignored (it said nothing).
     """
     sets = common(corpus) + ["parallel.pad_to_multiple=2", "train.max_steps=4", "train.save_interval=0"]
-    ok(train(tmp_path / "sp", 2, sets + ["parallel.tp=2", "parallel.sequence_parallel=true", "train.eval_interval=2"]))
-    ok(train(tmp_path / "tp1", 1, sets))
+    sets += ["parallel.sequence_parallel=true"]
+    run = train(tmp_path / "sp", 2, sets + ["parallel.tp=2", "train.eval_interval=2"])
+    ok(run)
+    assert "tp=2 sequence-parallel dp=1" in run.stdout
+    run = train(tmp_path / "tp1", 1, sets)
+    ok(run)
+    assert "tp=1 (parallel.sequence_parallel ignored at tp=1) dp=1" in run.stdout
     sp, reference = losses(tmp_path / "sp"), losses(tmp_path / "tp1")
     for step in range(1, 5):  # the SP reductions sum in another order: a few ulps of fp32
         assert abs(sp[step]["loss"] - reference[step]["loss"]) <= 1e-5 * reference[step]["loss"], step

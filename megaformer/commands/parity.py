@@ -33,7 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pipeline stages to check against one (1F1B; default: the config's)",
     )
     p.add_argument(
-        "--micro-batches", type=positive_int, default=4, help="with --pp: the batch's rows cut into this many"
+        "--micro-batches",
+        type=positive_int,
+        default=None,
+        help="with pp > 1: the batch's rows cut into this many (default 4)",
     )
     p.add_argument("--sequence-parallel", action="store_true", help="also split LayerNorm/dropout regions by sequence")
     p.add_argument(
@@ -54,6 +57,14 @@ def main(args: argparse.Namespace) -> int:
             f"parity: tp=1 x pp=1 against TP=1 compares nothing ({args.config} sets parallel.tp=1, parallel.pp=1): "
             f"pass --tp N or --pp N"
         )
+    if args.micro_batches is not None and pp == 1:
+        raise ConfigError(
+            "parity: --micro-batches cuts the batch for a pipeline, and this check has pp=1: pass --pp N or drop it"
+        )
+    if args.sequence_parallel and tp == 1:
+        raise ConfigError(
+            "parity: --sequence-parallel splits the sequence over TP ranks, and this check has tp=1: pass --tp N"
+        )
     overrides = list(args.overrides) + [f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.dp=0"]
     if args.sequence_parallel:  # the parity batch's lengths are multiples of tp (checked): nothing is padded
         overrides = [f"parallel.pad_to_multiple={tp}", *overrides, "parallel.sequence_parallel=true"]
@@ -62,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
         batch=args.batch,
         src_len=args.src_len,
         tgt_len=args.tgt_len,
-        micro_batches=args.micro_batches,
+        micro_batches=args.micro_batches or ParitySettings.micro_batches,
         tolerance=args.tolerance,
         show_all=args.all,
     )

@@ -138,10 +138,11 @@ class Trainer:
     def _describe(self, streams: int) -> None:
         """The run's shape in one line: size, layout, precision, micro-batches, run directory."""
         ctx, t = self.ctx, self.cfg.train
+        sp = " sequence-parallel" if ctx.layout.tp > 1 else " (parallel.sequence_parallel ignored at tp=1)"
         if self.pipeline is not None:
             self.log(f"train: pipeline of {ctx.pp_size} stages: " + "; ".join(p.describe() for p in self.stages))
         self.log(
-            f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp} dp={ctx.layout.dp} pp={ctx.pp_size} "
+            f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp}{sp * self.cfg.parallel.sequence_parallel} dp={ctx.layout.dp} pp={ctx.pp_size} "
             f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batch{'es' * (self.feed.accumulation > 1)} of <= "
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data stream{'s' * (streams != 1)}, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
