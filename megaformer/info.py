@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megaformer.config import Config
+from megaformer.config import Config, ParallelConfig
 from megaformer.data.batching import plan_step
 from megaformer.errors import ConfigError
 from megaformer.layout_cost import Hardware, step_cost
@@ -27,8 +27,12 @@ from megaformer.parallel.stages import COPY, OWN, StagePart, bubble_fraction, pl
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def model_info(cfg: Config) -> dict:
-    """Parameter counts, training FLOPs per target token and a per-rank memory estimate."""
+def model_info(cfg: Config, micro_tokens: int = 0) -> dict:
+    """Parameter counts, training FLOPs per target token and a per-rank memory estimate.
+
+    Activations are those of one micro-batch of ``micro_tokens`` tokens (0: ``data.max_tokens``,
+    the largest a micro-batch may be; the step's plan gives the size at a DP size).
+    """
     m, p = cfg.model, cfg.parallel
     check_model_split(m, p.tp)
     dp = max(1, p.dp)
@@ -37,7 +41,7 @@ def model_info(cfg: Config) -> dict:
     full, per_rank = parameter_count(cfg, 1), parameter_count(cfg, p.tp)
     params = full - _padding_rows(cfg, 1)  # the TP=1 model's padding, which can differ from the configured tp's
     state = _state_bytes(cfg, per_rank, dp)
-    activations = _layer_activation_bytes(cfg) * (m.encoder_layers + 1.5 * m.decoder_layers)
+    activations = _layer_activation_bytes(cfg, micro_tokens) * (m.encoder_layers + 1.5 * m.decoder_layers)
     return {
         "parameters": params,
         "parameters_per_rank": per_rank,
@@ -99,8 +103,8 @@ def _state_bytes(cfg: Config, per_rank: int, dp: int) -> dict[str, float]:
     }
 
 
-def _layer_activation_bytes(cfg: Config) -> float:
-    """Activations one encoder layer keeps for backward, for one micro-batch.
+def _layer_activation_bytes(cfg: Config, micro_tokens: int = 0) -> float:
+    """Activations one encoder layer keeps for backward, for one micro-batch of ``micro_tokens`` (or ``data.max_tokens``).
 
     Korthikanti et al. 2022, per layer, 2-byte activations: s b h (10 + 24/t + 5 a s / (h t)),
     or s b h / t (34 + 5 a s / h) with sequence parallelism; a decoder layer (two
@@ -109,7 +113,7 @@ def _layer_activation_bytes(cfg: Config) -> float:
     m, p = cfg.model, cfg.parallel
     w = BYTES[cfg.train.precision]
     s = cfg.data.max_len
-    b = max(1, cfg.data.max_tokens // s)
+    b = max(1, (micro_tokens or cfg.data.max_tokens) // s)
     h, a, t = m.d_model, m.num_heads, p.tp
     if m.activation_checkpointing:  # only the layer inputs are kept
         return s * b * h * w / (t if p.sequence_parallel else 1)
@@ -141,7 +145,7 @@ def _stage_counts(cfg: Config, part: StagePart, tp_size: int, known: dict) -> tu
     return known[key]
 
 
-def pipeline_info(cfg: Config, micro_batches: int) -> dict:
+def pipeline_info(cfg: Config, micro_batches: int, micro_tokens: int = 0) -> dict:
     """Per stage: layers, parameters, embedding copy and memory; the 1F1B bubble for ``micro_batches`` per rank.
 
     ``parameters`` of a stage are counted at TP=1 without the vocabulary padding rows
@@ -153,7 +157,7 @@ def pipeline_info(cfg: Config, micro_batches: int) -> dict:
     p = cfg.parallel
     parts = plan_stages(cfg.model, p.pp, p.pp_split, cfg.data.vocab_size)
     pad_rows = _padding_rows(cfg, 1)
-    per_layer, w, dp = _layer_activation_bytes(cfg), BYTES[cfg.train.precision], max(1, p.dp)
+    per_layer, w, dp = _layer_activation_bytes(cfg, micro_tokens), BYTES[cfg.train.precision], max(1, p.dp)
     stages, known = [], {}
     for part in parts:
         full, _ = _stage_counts(cfg, part, 1, known)
@@ -192,16 +196,17 @@ def compare_layouts(cfg: Config, world: int, hw: Hardware = Hardware()) -> list[
         if world % tp or m.num_heads % tp or m.d_ff % tp:
             continue
         alt = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, dp=world // tp))
-        info = model_info(alt)
+        try:
+            step = step_info(alt, world // tp)
+        except ConfigError as err:
+            step = {"refused": str(err)}
+        info = model_info(alt, step.get("max_tokens_per_micro_batch", 0))
         row = step_cost(
             m, info["parameters"], info["parameters_per_rank"], cfg.train.tokens_per_step, tp, world // tp,
             cfg.train.precision, hw,
         )  # fmt: skip
         row["memory_per_rank_bytes"] = info["memory_per_rank_bytes"]["total"]
-        try:
-            row.update(step_info(alt, world // tp))
-        except ConfigError as err:
-            row["refused"] = str(err)
+        row.update(step)
         out.append(row)
     return out
 
@@ -225,13 +230,37 @@ def config_info(cfg: Config, world: int = 0, hw: Hardware = Hardware()) -> dict:
 
     :func:`model_info`, the optimizer step (:func:`step_info`), with ``parallel.pp > 1``
     the stages (:func:`pipeline_info`), and the estimate of every TP size for ``world``
-    GPUs (default: tp x dp x pp, or 32 if ``parallel.dp`` is 0) on ``hw``.
+    GPUs (default: tp x dp x pp, or 32 if ``parallel.dp`` is 0) on ``hw``. A ``world`` given
+    with ``parallel.dp`` 0 sets the DP size of the memory and step lines, as the launcher would;
+    where the configured layout cannot run on ``world`` GPUs, they are the config's own and
+    ``refused_on_world`` says why.
     """
-    info = model_info(cfg)
-    info.update(step_info(cfg, info["layout"]["dp"]))
-    if cfg.parallel.pp > 1:
-        info["pipeline"] = pipeline_info(cfg, info["micro_batches_per_step"])
-    p = cfg.parallel
+    p, on_world = cfg.parallel, None
+    if world:  # the memory and step lines at --world's DP size, as the launcher would run the config
+        try:
+            on_world = _configured(dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=_dp_of_world(p, world))))
+        except ConfigError as err:
+            refused = str(err)
+    info = on_world or {**_configured(cfg), **({"refused_on_world": refused} if world else {})}
     world = world or (p.tp * p.dp * p.pp if p.dp else 32)
     info["layouts"] = {"world": world, "hardware": dataclasses.asdict(hw), "estimates": compare_layouts(cfg, world, hw)}
     return info
+
+
+def _configured(cfg: Config) -> dict:
+    """Model, memory, step (and stages) of ``cfg``'s own layout; ConfigError if its step is refused."""
+    step = step_info(cfg, max(1, cfg.parallel.dp))
+    info = {**model_info(cfg, step["max_tokens_per_micro_batch"]), **step}
+    if cfg.parallel.pp > 1:
+        info["pipeline"] = pipeline_info(cfg, step["micro_batches_per_step"], step["max_tokens_per_micro_batch"])
+    return info
+
+
+def _dp_of_world(p: ParallelConfig, world: int) -> int:
+    """The DP size of ``p``'s layout on ``world`` GPUs; ConfigError if that layout cannot fill them."""
+    ranks = p.tp * p.pp
+    layout = f"parallel.tp={p.tp} x parallel.pp={p.pp}" + (f" x parallel.dp={p.dp}" if p.dp else "")
+    if world % ranks or (p.dp and p.dp * ranks != world):
+        needs = f"runs on {p.dp * ranks} GPUs" if p.dp else f"needs {ranks} GPUs a replica, which do not divide {world}"
+        raise ConfigError(f"the configured layout ({layout}) {needs}; with parallel.dp=0 the DP size follows the GPUs")
+    return world // ranks

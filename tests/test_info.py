@@ -117,7 +117,7 @@ def test_info_prints_the_layout_table():
     )
     assert proc.returncode == 0, proc.stderr
     assert "layouts for 32 GPUs" in proc.stdout and "<- fastest" in proc.stdout
-    assert "micro-batches of <=" in proc.stdout
+    assert "1 micro-batch of <= 3125 tokens per DP rank" in proc.stdout  # tp=4 x dp=8
 
 
 def test_a_refused_layout_says_why():
@@ -212,3 +212,39 @@ def test_info_rejects_more_stages_than_layers():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.pp=5" in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _info(*argv: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "info", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_world_sets_the_dp_size_of_the_memory_and_step_lines():
+    """``--world 8`` with tp=4 and dp=0 is dp=2: ZeRO shards over 2 and each rank's micro-batch is half the step.
+
+    The lines said dp=1 and the whole step's activations whatever --world was.
+    """
+    big = ("--config", "configs/transformer_big.yaml", "--set", "data.vocab_size=37000")
+    alone, eight = _info(*big, "--set", "parallel.tp=4"), _info(*big, "--world", "8")
+    assert "(ZeRO-1 over dp=1)" in alone and "1 micro-batch of <= 25000 tokens per DP rank" in alone
+    assert "(ZeRO-1 over dp=2)" in eight and "1 micro-batch of <= 12500 tokens per DP rank" in eight
+    assert "micro-batches of 12500 tokens" in eight
+    json_eight = json.loads(_info(*big, "--world", "8", "--json"))
+    json_alone = json.loads(_info(*big, "--json"))
+    assert json_eight["layout"]["dp"] == 2 and json_alone["layout"]["dp"] == 1
+    ratio = json_eight["memory_per_rank_bytes"]["activations"] / json_alone["memory_per_rank_bytes"]["activations"]
+    assert abs(ratio - 0.5) < 0.01, ratio  # the estimate is linear in the micro-batch's sequences
+    # The table's row for the configured layout is the header's.
+    row = next(r for r in json_eight["layouts"]["estimates"] if r["tp"] == 4)
+    assert row["memory_per_rank_bytes"] == json_eight["memory_per_rank_bytes"]["total"]
+
+
+def test_a_world_the_layout_cannot_fill_is_said_and_the_table_still_printed():
+    out = _info("--config", "configs/transformer_big.yaml", "--world", "6")
+    assert "on 6 GPUs         refused: the configured layout (parallel.tp=4 x parallel.pp=1) needs 4 GPUs" in out
+    assert "layouts for 6 GPUs" in out and "(ZeRO-1 over dp=1)" in out
+    out = _info("--config", "configs/transformer_big.yaml", "--world", "16", "--set", "parallel.dp=2")
+    assert "x parallel.dp=2) runs on 8 GPUs" in out

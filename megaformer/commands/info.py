@@ -50,6 +50,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     _print_model(info, cfg, args.config)
+    if "refused_on_world" in info:
+        print(f"on {args.world} GPUs{'':<{max(1, 10 - len(str(args.world)))}}refused: {info['refused_on_world']}")
     if "pipeline" in info:
         _print_pipeline(info["pipeline"])
     _print_layouts(info["layouts"], cfg)
@@ -57,8 +59,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _print_model(info: dict, cfg: Config, config: str) -> None:
-    mem = info["memory_per_rank_bytes"]
-    lay = info["layout"]
+    mem, lay, n = info["memory_per_rank_bytes"], info["layout"], info["micro_batches_per_step"]
     print(f"config            {config}")
     print(
         f"parameters        {info['parameters']:,} ({info['parameters'] / 1e6:.1f}M; vocabulary "
@@ -71,11 +72,12 @@ def _print_model(info: dict, cfg: Config, config: str) -> None:
     print(
         f"memory per rank   {_gib(mem['total'])}: weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, "
         f"optimizer {_gib(mem['optimizer'])} (ZeRO-{lay['zero_stage']} over dp={lay['dp']}), "
-        f"activations ~{_gib(mem['activations'])} ({cfg.data.max_tokens} tokens x max_len {cfg.data.max_len}, estimate"
+        f"activations ~{_gib(mem['activations'])} (micro-batches of {info['max_tokens_per_micro_batch']} tokens, "
+        f"max_len {cfg.data.max_len}, estimate"
         f"{'; the whole model on one rank, as at pp=1' if lay['pp'] > 1 else ''})"
     )
     print(
-        f"optimizer step    {info['micro_batches_per_step']} micro-batches of <= {info['max_tokens_per_micro_batch']} "
+        f"optimizer step    {n} micro-batch{'es' * (n != 1)} of <= {info['max_tokens_per_micro_batch']} "
         f"tokens per DP rank, {info['tokens_per_step']:,} tokens per step at dp={lay['dp']}"
         f"{stages} (train.tokens_per_step={cfg.train.tokens_per_step})"
     )
@@ -84,7 +86,7 @@ def _print_model(info: dict, cfg: Config, config: str) -> None:
 def _print_pipeline(pipe: dict) -> None:
     p, m = pipe["pp"], pipe["micro_batches_per_step"]
     print(
-        f"pipeline          pp={p} (parallel.pp_split={pipe['pp_split']}), 1F1B over {m} micro-batches per step: "
+        f"pipeline          pp={p} (parallel.pp_split={pipe['pp_split']}), 1F1B over {m} micro-batch{'es' * (m != 1)} per step: "
         f"bubble (p - 1) / (m + p - 1) = {p - 1}/{m + p - 1} = {pipe['bubble_fraction']:.1%} of the step idle"
     )
     for st in pipe["stages"]:
