@@ -1,4 +1,6 @@
-"""Errors that carry a message for the user: the CLI prints them on one line and exits non-zero."""
+"""Errors (and warnings) that carry a message for the user: the CLI prints them on one line; errors exit non-zero."""
+
+import warnings
 
 
 class MegaformerError(Exception):
@@ -19,3 +21,21 @@ class CheckpointError(MegaformerError):
 
 class TrainingError(MegaformerError):
     """A run that cannot go on (a non-finite loss or gradient norm); says at which step and why."""
+
+
+class MegaformerWarning(UserWarning):
+    """Something the user should know that does not stop the command (samples left out, an emulated dtype).
+
+    Printed as ``warning: <message>`` on one line: the source line Python's default format
+    adds says nothing to a user (other warnings keep the default format).
+    """
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001 (warnings' signature)
+    if isinstance(category, type) and issubclass(category, MegaformerWarning):
+        return f"warning: {message}\n"
+    return _default_format(message, category, filename, lineno, line)
+
+
+_default_format = warnings.formatwarning
+warnings.formatwarning = _format_warning

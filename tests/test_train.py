@@ -421,3 +421,15 @@ def test_bf16_accumulation_counts_each_micro_batch_once(corpus, tmp_path):
         ok(train(run, 1, common(corpus) + extra))
         norms[precision] = losses(run)[1]["grad_norm"]
     assert abs(norms["bf16"] - norms["fp32"]) <= 0.02 * norms["fp32"], norms
+
+
+def test_a_warning_is_one_line_from_one_rank(corpus, tmp_path):
+    """Samples left out by data.max_len are said once per split, as ``warning: ...``.
+
+    Each rank said it, with Python's ``file:line: UserWarning`` and the source line under it.
+    """
+    run = train(tmp_path / "run", 2, common(corpus) + ["data.max_len=12", "train.max_steps=1", "train.save_interval=0"])
+    ok(run)
+    said = [line for line in (run.stdout + run.stderr).splitlines() if "longer than max_len=12" in line]
+    assert len(said) == 1 and said[0].startswith("warning: ") and "split train" in said[0], said
+    assert "UserWarning" not in run.stderr and "warnings.warn" not in run.stderr

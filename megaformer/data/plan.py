@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megaformer.data.shards import PreparedSplit
-from megaformer.errors import DataError
+from megaformer.errors import DataError, MegaformerWarning
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,7 @@ def plan_epoch(data: PreparedSplit, s: PlanSettings, epoch: int, available: np.n
             warnings.warn(
                 f"split {data.split}: the {len(order)} samples left in epoch {epoch} are fewer than "
                 f"{s.dp_size} ranks and are skipped until the next epoch",
+                MegaformerWarning,
                 stacklevel=2,
             )
         return [RankPlan(order[:0], []) for _ in range(s.dp_size)]

@@ -48,7 +48,7 @@ from megaformer.data.readahead import ReadAhead, SampleStore
 from megaformer.data.shards import PreparedSplit, open_prepared, scan_shards, shard_urls
 from megaformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from megaformer.data.workers import Chunk, RunReader, as_is, ignore_trainer_signals, shard_runs, start_workers
-from megaformer.errors import ConfigError, DataError
+from megaformer.errors import ConfigError, DataError, MegaformerWarning
 
 READ_AHEAD_BATCHES = 8  # collated batches kept ready by the read-ahead thread (a step's micro-batches, and more)
 
@@ -276,6 +276,7 @@ class TokenBatchStream:
             warnings.warn(
                 f"{where}: {self.excluded} samples of split {self.split} are longer than max_len="
                 f"{self.settings.max_len} tokens and are left out of every epoch",
+                MegaformerWarning,
                 stacklevel=3,
             )
         need = int(longest[kept].max()) + 1

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megaformer.config import Config, TrainConfig, check_precision
+from megaformer.errors import MegaformerWarning
 from megaformer.parallel import ParallelContext
 from megaformer.parallel.sharding import tp_dim
 from megaformer.train.engine_state import (
@@ -435,7 +436,11 @@ def _fp16_allowed_on_cpu() -> Iterator[None]:
     if accelerator.is_fp16_supported():
         yield
         return
-    warnings.warn("fp16 on a CPU without native fp16 support: emulated by torch, for testing only", stacklevel=3)
+    warnings.warn(
+        "fp16 on a CPU without native fp16 support: emulated by torch, for testing only",
+        MegaformerWarning,
+        stacklevel=3,
+    )
     supported = accelerator.supported_dtypes()
     accelerator.is_fp16_supported = lambda: True
     accelerator.supported_dtypes = lambda: list(dict.fromkeys([*supported, torch.float16]))

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megaformer.config import Config, check_precision
-from megaformer.errors import ConfigError
+from megaformer.errors import ConfigError, MegaformerWarning
 
 if TYPE_CHECKING:
     from megaformer.train.run_lock import RunLock
@@ -37,6 +38,8 @@ def rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, loc
 
     info = detect()
     info.export()
+    if info.rank != 0:  # every rank reads the same data and settings: rank 0 says what they would say
+        warnings.simplefilter("ignore", MegaformerWarning)
     with nullcontext() if locked or info.rank != 0 else run_lock(run_dir):  # rank 0 holds it for a launcher's ranks
         ctx = ParallelContext.initialize(
             cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
