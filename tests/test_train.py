@@ -423,7 +423,7 @@ def test_bf16_accumulation_counts_each_micro_batch_once(corpus, tmp_path):
     assert abs(norms["bf16"] - norms["fp32"]) <= 0.02 * norms["fp32"], norms
 
 
-def test_a_warning_is_one_line_from_one_rank(corpus, tmp_path):
+def test_start_up_says_a_warning_once_and_the_mfu_peak(corpus, tmp_path):
     """Samples left out by data.max_len are said once per split, as ``warning: ...``.
 
     Each rank said it, with Python's ``file:line: UserWarning`` and the source line under it.
@@ -433,3 +433,5 @@ def test_a_warning_is_one_line_from_one_rank(corpus, tmp_path):
     said = [line for line in (run.stdout + run.stderr).splitlines() if "longer than max_len=12" in line]
     assert len(said) == 1 and said[0].startswith("warning: ") and "split train" in said[0], said
     assert "UserWarning" not in run.stderr and "warnings.warn" not in run.stderr
+    # MFU's denominator is said, with where it comes from (train.peak_tflops=0.1 per rank here)
+    assert "train: MFU against 0.2 TFLOP/s, the peak of 2 ranks (train.peak_tflops)" in run.stdout

@@ -133,6 +133,20 @@ def changed_since(saved: dict | None, cfg: object) -> str:
     )
 
 
+def layout_change(saved: dict, layout: object) -> str:
+    """ ", layout tp=1 dp=2 -> tp=2 dp=1" between a checkpoint's ``meta["layout"]`` and ``layout``; empty if the same.
+
+    pp is named only where either side has a pipeline.
+    """
+    before, after = (saved["tp"], saved["dp"], saved.get("pp", 1)), (layout.tp, layout.dp, layout.pp)
+    names = ("tp", "dp", "pp") if max(before[2], after[2]) > 1 else ("tp", "dp")
+
+    def say(sizes: tuple[int, ...]) -> str:
+        return " ".join(f"{n}={v}" for n, v in zip(names, sizes, strict=False))
+
+    return f", layout {say(before)} -> {say(after)}" if before != after else ""
+
+
 def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[int] | None = None) -> LoadedCheckpoint:
     """Read ``step_dir`` for this rank: the same layout reads its own shard, another merges and re-splits.
 

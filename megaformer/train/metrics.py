@@ -99,6 +99,13 @@ def device_peak_flops(device: torch.device, precision: str, override_tflops: flo
     return measured_matmul_peak(dtype)
 
 
+def peak_source(device: torch.device, override_tflops: float = 0.0) -> str:
+    """Where :func:`device_peak_flops`' figure comes from, for the log."""
+    if override_tflops > 0:
+        return "train.peak_tflops"
+    return "the GPU's datasheet" if device.type == "cuda" else "a matmul timed at start-up; train.peak_tflops sets it"
+
+
 class MetricsLogger:
     """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors it to tensorboard."""
 

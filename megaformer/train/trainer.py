@@ -44,7 +44,7 @@ from megaformer.train.budget import BudgetPlan, compile_choice
 from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine, cooldown_of
 from megaformer.train.feed import DataFeed, stream_count
-from megaformer.train.metrics import MetricsLogger, device_peak_flops
+from megaformer.train.metrics import MetricsLogger, device_peak_flops, peak_source
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
@@ -147,6 +147,8 @@ class Trainer:
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data stream{'s' * (streams != 1)}, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
+        n, source = ctx.layout.world_size, peak_source(ctx.device, t.peak_tflops)
+        self.log(f"train: MFU against {self.peak / 1e12:.3g} TFLOP/s, the peak of {n} rank{'s' * (n > 1)} ({source})")
 
     def _resume_point(self, resume: str) -> Path | None:
         if resume == "none":
@@ -206,14 +208,7 @@ class Trainer:
         self.feed.load_replicas([r["feed"] for r in loaded.replicas_of_dp_ranks()], same_rank and same_rank["feed"])
         if loaded.rank is not None:
             torch.set_rng_state(loaded.rank["torch_rng"])
-        old, new = loaded.meta["layout"], self.ctx.layout
-        before, after = (old["tp"], old["dp"], old.get("pp", 1)), (new.tp, new.dp, new.pp)
-        names = ("tp", "dp", "pp") if max(before[2], after[2]) > 1 else ("tp", "dp")
-
-        def say(sizes: tuple[int, ...]) -> str:
-            return " ".join(f"{n}={v}" for n, v in zip(names, sizes, strict=False))
-
-        change = f", layout {say(before)} -> {say(after)}" if before != after else ""
+        change = ckpt.layout_change(loaded.meta["layout"], self.ctx.layout)
         self.log(f"train: resumed from {step_dir} (step {loaded.meta['step']}, {self.tokens:,} target tokens{change})")
         if since := ckpt.changed_since(loaded.meta.get("config"), self.cfg):
             self.log(f"train: changed since the checkpoint: {since}")
