@@ -2,8 +2,6 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# DeepSpeed JIT-compiles an op on first use (~45 s); keep it between runs and clones (keyed by its sources).
-export TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/megaformer/torch_extensions
 # Install the local CPU build of torch first: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 

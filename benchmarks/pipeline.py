@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -133,7 +132,6 @@ def main() -> int:
         import torch
 
         gpu = torch.cuda.is_available()
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         result = measure(args, gpu, args.keep)

@@ -115,7 +115,6 @@ def main() -> int:
         if not name or not sets:
             p.error(f"--variant {spec!r}: expected NAME:key=value[,key=value...]")
         variants[name] = sets.split(",")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     out = ROOT / ".cache" / "zero_overhead.json"
     out.parent.mkdir(exist_ok=True)
     if spawn(_worker, 2, args, variants, str(out)) != 0:

@@ -9,7 +9,6 @@ The options are :mod:`megaformer.commands.demo`'s.
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import subprocess
@@ -23,11 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(title: str, args: list[str], capture: bool = False) -> str:
     command = [sys.executable, "-m", "megaformer.cli", *args]
     print(f"\n== {title}\n$ megaformer {shlex.join(args)}", flush=True)
-    env = {
-        **os.environ,
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions")),
-    }
-    proc = subprocess.run(command, cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE if capture else None)
+    proc = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE if capture else None)
     if proc.returncode != 0:
         print(f"demo: `megaformer {args[0]}` failed with status {proc.returncode}", file=sys.stderr)
         sys.exit(proc.returncode)

@@ -8,7 +8,7 @@
 # without a warning) is passed on the same way; the trainer saves and does not requeue.
 #
 # Variables (all optional): CONFIG, RUN_DIR, PYTHON (default .venv/bin/python),
-# TORCH_EXTENSIONS_DIR, LAUNCHER (srun: one task per rank, the default; torchrun: srun starts one
+# LAUNCHER (srun: one task per rank, the default; torchrun: srun starts one
 # torchrun per node, which starts the node's ranks); arguments after the script name go to
 # `megaformer train`, e.g. `sbatch slurm/train_big.sh --set data.path=/data/wmt14_en_de`.
 #
@@ -27,7 +27,6 @@ cd "${SLURM_SUBMIT_DIR:-$PWD}"
 : "${SLURM_JOB_ID:?run this script with sbatch}"
 RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megaformer}-${SLURM_JOB_ID}}
 PYTHON=${PYTHON:-.venv/bin/python}
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 CPUS=${SLURM_CPUS_PER_TASK:-1}
 export OMP_NUM_THREADS=$CPUS
 LAUNCHER=${LAUNCHER:-srun}

@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# DeepSpeed JIT-compiles an op on its first init_distributed; keep the build between runs.
+# Should DeepSpeed JIT-compile an op (megaformer builds none: engine.py's _without_shm_op), the tests keep
+# it out of the user's cache.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 # The tests run on the CPU, also on a machine with GPUs: test workers set parallel.backend=gloo
 # (tests/test_cpu_backend.py checks that they do), and DeepSpeed, which would otherwise pick
