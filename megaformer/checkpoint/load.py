@@ -134,9 +134,9 @@ def changed_since(saved: dict | None, cfg: object) -> str:
 
 
 def layout_change(saved: dict, layout: object) -> str:
-    """ ", layout tp=1 dp=2 -> tp=2 dp=1" between a checkpoint's ``meta["layout"]`` and ``layout``; empty if the same.
+    """The change from a checkpoint's ``meta["layout"]`` to ``layout`` for the resume line; empty if none.
 
-    pp is named only where either side has a pipeline.
+    E.g. ``, layout tp=1 dp=2 -> tp=2 dp=1``; pp is named only where either side has a pipeline.
     """
     before, after = (saved["tp"], saved["dp"], saved.get("pp", 1)), (layout.tp, layout.dp, layout.pp)
     names = ("tp", "dp", "pp") if max(before[2], after[2]) > 1 else ("tp", "dp")
