@@ -368,13 +368,23 @@ def test_a_resume_with_other_model_settings_names_them(finished, shared_data, tm
     assert ((run / "config.yaml").read_text() if before is not None else None) == before
 
 
-def test_a_resume_may_change_dropout(finished, shared_data, tmp_path):
-    """Dropout changes how the model trains, not what its weights compute: a resume takes it."""
+def test_a_resume_may_change_dropout_and_names_every_change(finished, shared_data, tmp_path):
+    """Dropout changes how the model trains, not what its weights compute: a resume takes it.
+
+    Every other setting changed is named too: a 5x lr, twice the step's tokens, another seed
+    applied without a word before (only dropout, precision and a few others were listed).
+    """
     run = _copy_run(finished, tmp_path / "run")
-    proc = _train(run, shared_data, "train.max_steps=11", "model.dropout=0.3")
+    changes = ("model.dropout=0.3", "train.lr_scale=5", "train.tokens_per_step=1024", "train.seed=7")
+    proc = _train(run, shared_data, "train.max_steps=11", *changes)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout, proc.stdout[-3000:]
-    assert "changed since the checkpoint: model.dropout 0.1 -> 0.3" in proc.stdout, proc.stdout[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "changed since the checkpoint: " in line]
+    assert len(said) == 1, proc.stdout[-3000:]
+    for change in ("model.dropout 0.1 -> 0.3", "train.lr_scale 0.5 -> 5.0", "train.seed 1 -> 7"):
+        assert change in said[0], said[0]
+    assert "train.tokens_per_step 512 -> 1024" in said[0] and "train.max_steps 10 -> 11" in said[0]
+    assert "parallel.tp" not in said[0] and "model.d_model" not in said[0], said[0]
     assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000011"
 
 
@@ -388,6 +398,24 @@ def test_resume_none_into_a_run_dir_with_checkpoints_is_refused(finished, shared
     assert "step-00000010" in line and "--resume auto" in line and "--run-dir" in line, line
     assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000010", "step-00000005"]
     assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_dir_with_checkpoints_is_refused(finished, shared_data, tmp_path):
+    """`--resume PATH` of another run into a run directory with its own saves would mix the two runs (average took
+    steps of both); a checkpoint of the run directory itself is a step back in its own run and is not refused."""
+    from megaformer.commands.train import _refuse_earlier_checkpoints
+
+    other, run = _copy_run(finished, tmp_path / "other"), _copy_run(finished, tmp_path / "run")
+    metrics = (run / "metrics.jsonl").read_text()
+    resume = str(other / "checkpoints" / "step-00000005")
+    line = _one_line_error(
+        _train(run, shared_data, "train.max_steps=12", extra=("--resume", resume)), "holds its own run's checkpoints"
+    )
+    assert "step-00000010" in line and resume in line and "--resume auto" in line, line
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000010", "step-00000005"]
+    assert (run / "metrics.jsonl").read_text() == metrics
+    _refuse_earlier_checkpoints(run, str(run / "checkpoints" / "step-00000005"))  # its own: accepted
+    _refuse_earlier_checkpoints(tmp_path / "empty", resume)  # an empty run directory: accepted
 
 
 def test_resuming_on_data_of_another_tokenizer_is_refused_unless_asked_for(finished, tmp_path):

@@ -114,23 +114,26 @@ def check_same_model(step_dir: Path, meta: dict, model_cfg: object) -> None:
         )
 
 
-# Settings a resume may change that change how the run computes (the layout's sizes are said beside them).
-RESUMABLE_CHANGES = (
-    *(("model", k) for k in sorted(TRAINING_ONLY_MODEL_SETTINGS)),
-    ("train", "precision"),
-    ("train", "zero_stage"),
-    ("parallel", "pp_split"),
-    ("parallel", "sequence_parallel"),
-    ("parallel", "pad_to_multiple"),
-)
+# Settings whose change the resume line does not list: the architecture's (refused by check_same_model)
+# and the layout's sizes (said beside the resume).
+NOT_LISTED = frozenset({("parallel", "tp"), ("parallel", "dp"), ("parallel", "pp")})
 
 
 def changed_since(saved: dict | None, cfg: object) -> str:
-    """Those of :data:`RESUMABLE_CHANGES` that differ between a checkpoint's config and ``cfg``, e.g.
-    "train.precision 'fp32' -> 'bf16'"; empty if none (or the checkpoint holds no config)."""
-    return ", ".join(
-        f"{name} {old!r} -> {new!r}" for name, old, new in _config_changes(saved, to_dict(cfg), RESUMABLE_CHANGES)
-    )
+    """Every setting but the layout's sizes that differs between a checkpoint's config and ``cfg``, e.g.
+    "train.precision 'fp32' -> 'bf16', train.lr_scale 1.0 -> 5.0"; empty if none (or the checkpoint holds no config).
+
+    A resume may change any setting but the architecture (the lr, the step's tokens, the
+    seeds, the data): each one changed is named, so that none applies without a word.
+    """
+    now = to_dict(cfg)
+    keys = [
+        (section, key)
+        for section, values in now.items()
+        for key in values
+        if (section, key) not in NOT_LISTED and (section != "model" or key in TRAINING_ONLY_MODEL_SETTINGS)
+    ]
+    return ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in _config_changes(saved, now, keys))
 
 
 def layout_change(saved: dict, layout: object) -> str:

@@ -66,8 +66,8 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
-    if args.resume == "none":
-        _refuse_earlier_checkpoints(Path(run_dir))
+    if args.resume != "auto":
+        _refuse_earlier_checkpoints(Path(run_dir), args.resume)
     info = detect()
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
@@ -78,17 +78,26 @@ def _train(args: argparse.Namespace) -> int:
     return launch(cfg, run_dir, world, args.resume, args.other_tokenizer, under_launcher=info.source != "single")
 
 
-def _refuse_earlier_checkpoints(run_dir: Path) -> None:
-    """``--resume none`` into a run directory that holds checkpoints is refused: the new run's saves would
-    mix with the earlier run's (pruning would delete the new ones first, ``--resume auto``, ``average``
-    and ``translate`` would take the old newest) and its metrics would replace theirs.
+def _refuse_earlier_checkpoints(run_dir: Path, resume: str) -> None:
+    """``--resume none``, or another run's checkpoint, into a run directory that holds checkpoints is refused:
+    the new run's saves would mix with the earlier run's (pruning would delete the new ones first,
+    ``--resume auto``, ``average`` and ``translate`` would take the old newest) and its metrics would
+    replace theirs. A checkpoint of the run directory itself (going back to an earlier step) is its own run.
 
     Read with pathlib alone: the launching process imports no torch (launcher.local).
     """
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
-    if steps:
+    if not steps:
+        return
+    if resume == "none":
         raise ConfigError(
             f"--run-dir {run_dir}: holds an earlier run's checkpoints (newest {steps[-1]}), which --resume none "
             f"would mix with this run's: continue it (--resume auto), train into another --run-dir, or delete "
             f"{run_dir / 'checkpoints'} first"
+        )
+    if not Path(resume).resolve().is_relative_to(run_dir.resolve()):
+        raise ConfigError(
+            f"--run-dir {run_dir}: holds its own run's checkpoints (newest {steps[-1]}), which a run resumed from "
+            f"{resume} would mix with its saves: resume into another (or an empty) --run-dir, or continue this "
+            f"one with --resume auto"
         )
