@@ -191,15 +191,21 @@ def refuse_output_over_inputs(
 
 
 def refuse_to_replace(
-    option: str, out: str | Path, force: bool, made_here: Callable[[Path], bool], marker: str
+    option: str,
+    out: str | Path,
+    force: bool,
+    made_here: Callable[[Path], bool],
+    marker: str,
+    foreign: Callable[[Path], list[str]] = lambda path: [],
 ) -> None:
     """ConfigError unless the existing ``out`` may be replaced by this command.
 
     Never the working directory or a folder above it (whatever ``force`` says). An
     existing non-empty ``out`` needs ``force``, and even then only an empty folder or
     something this command made before (``made_here``; ``marker`` says what it lacks
-    otherwise, e.g. "no manifest.json") is replaced: a folder of someone's own files is
-    never emptied.
+    otherwise, e.g. "no manifest.json") is replaced, and only while it holds nothing else
+    (``foreign``: the names in it the command did not write): a folder of someone's own
+    files is never emptied.
     """
     path, cwd = _resolved(out), Path.cwd().resolve()
     if path == cwd or path in cwd.parents:
@@ -214,6 +220,12 @@ def refuse_to_replace(
         raise ConfigError(
             f"{option} {out}: {kind} that this command did not write ({marker}), and --force replaces only "
             f"its own earlier output or an empty folder: choose another {option} or remove it yourself"
+        )
+    if extra := foreign(path):
+        named = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise ConfigError(
+            f"{option} {out}: also holds {named}, which this command did not write and --force would delete: "
+            f"move {'it' if len(extra) == 1 else 'them'} elsewhere or choose another {option}"
         )
 
 

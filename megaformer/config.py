@@ -244,6 +244,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file not found: {path}")
         try:
             values = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}  # a SafeLoader: no objects built
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}): a config is a YAML file in UTF-8") from None
         except yaml.YAMLError as err:  # one line: the problem and where, not PyYAML's multi-line picture
             mark = getattr(err, "problem_mark", None)
             where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -47,6 +47,7 @@ def paths(tmp_path_factory):
     (root / "nan.yaml").write_text("train:\n  lr_scale: .nan\n")
     (root / "bool.yaml").write_text("parallel:\n  tp: true\n")
     (root / "nodata.yaml").write_text("data:\n  path: " + str(root / "missing-data") + "\n")
+    (root / "utf16.yaml").write_text("train:\n  max_steps: 10\n", encoding="utf-16")
     return {
         "file": root / "file.txt",
         "empty": root / "empty.txt",
@@ -57,6 +58,7 @@ def paths(tmp_path_factory):
         "nan_yaml": root / "nan.yaml",
         "bool_yaml": root / "bool.yaml",
         "nodata_yaml": root / "nodata.yaml",
+        "utf16_yaml": root / "utf16.yaml",
         "tiny": TINY_CONFIG,
     }
 
@@ -133,6 +135,12 @@ DOMAIN = [
         "--micro-batches cuts the batch for a pipeline",
     ),
     (("parity", "--config", "{tiny}", "--pp", "2", "--sequence-parallel"), "--sequence-parallel splits the sequence"),
+    # a FileNotFoundError from the cleaning step before; options --spm leaves unused were ignored
+    (("prepare", "--synthetic", "10", "--src", "xx", "--tgt", "xx", "--out", "{missing}"), "--src and --tgt are both"),
+    (
+        ("prepare", "--train", "{file}", "--spm", "{file}", "--vocab-size", "500", "--out", "{missing}"),
+        "--vocab-size shapes the sentencepiece model prepare trains, and --spm",
+    ),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=0"), "parallel.pp=0: must be in [1, inf]"),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=1.5"), "parallel.pp: expected an integer"),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=2", "--set", "parallel.pp_split=a,b"), "expected comma-sep"),
@@ -160,6 +168,7 @@ PATHS = [
     (("train", "--config", "{tiny}", "--run-dir", "{file}"), "argument --run-dir: "),
     (("train", "--config", "{tiny}", "--resume", "{missing}"), "argument --resume: "),
     (("train", "--config", "{nodata_yaml}"), "missing-data"),
+    (("info", "--config", "{utf16_yaml}"), "utf16.yaml: not UTF-8 text (byte 0)"),  # a UnicodeDecodeError before
     (("reshard", "--ckpt", "{missing}", "--out", "{dir}", "--tp", "1"), "argument --ckpt: "),
     (("reshard", "--ckpt", "{dir}", "--out", "{file}", "--tp", "1"), "argument --out: "),
     (("inspect", "{missing}"), "argument DIR: "),
@@ -341,6 +350,59 @@ def test_prepare_refuses_to_replace_a_folder_holding_its_input(run, tmp_path):
     code, _, err = run(*argv, "--out", tmp_path / "corpus", "--force", "--quiet")
     assert_one_line_error(code, err, "holds the input --train")
     assert tree_digest(tmp_path / "corpus") == before
+
+
+def test_force_replaces_an_earlier_output_only_while_it_holds_nothing_else(text_run, run, tmp_path):
+    """``prepare --force`` and ``export --force`` deleted a folder the user had put in their earlier output."""
+    out = tmp_path / "data"
+    argv = ("prepare", "--synthetic", "60", "--out", out, "--quiet")
+    assert run(*argv)[0] == 0
+    (out / "my-notes").mkdir()
+    (out / "my-notes" / "plan.txt").write_text("keep me\n")
+    before = tree_digest(out)
+    assert_one_line_error(*run(*argv, "--force")[::2], "also holds my-notes/, which this command did not write")
+    assert tree_digest(out) == before
+    (out / "my-notes" / "plan.txt").unlink()
+    (out / "my-notes").rmdir()
+    assert run(*argv, "--force")[0] == 0  # its own output alone: replaced
+
+    export = tmp_path / "hf"
+    argv = ("export", "--ckpt", text_run["model"], "--format", "safetensors", "--out", export)
+    assert run(*argv)[0] == 0, run(*argv)[2]
+    (export / "README.md").write_text("my model card\n")
+    assert_one_line_error(*run(*argv, "--force")[::2], "also holds README.md, which this command did not write")
+    assert (export / "README.md").read_text() == "my model card\n"
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        (OSError(28, "No space left on device"), "error: writing {out}: No space left on device: free space there"),
+        (OSError(30, "Read-only file system", "/mnt/ro/x"), "error: /mnt/ro/x: Read-only file system: write to"),
+    ],
+)
+def test_a_file_system_refusal_is_one_line(run, tmp_path, monkeypatch, error, said):
+    """A full disk or a read-only folder ended prepare (and train's run lock) in a traceback."""
+    import megaformer.commands.prepare as prepare
+
+    def refused(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(prepare, "prepare", refused)
+    out = tmp_path / "out"
+    assert_one_line_error(*run("prepare", "--synthetic", "10", "--out", out)[::2], said.format(out=out))
+
+
+def test_a_bug_of_ours_keeps_its_traceback(run, tmp_path, monkeypatch):
+    """Only the file system's refusals are one line: another OSError is a bug, shown with its traceback."""
+    import megaformer.commands.prepare as prepare
+
+    def broken(*args, **kwargs):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(prepare, "prepare", broken)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        run("prepare", "--synthetic", "10", "--out", tmp_path / "out")
 
 
 # ---- no silent fallback -----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megaformer.cli_args import existing_path, overlap, refuse_output_over_inputs, refuse_to_replace
-from megaformer.export.write import FORMATS, made_by_export, output_kind, write_export
+from megaformer.export.write import FORMATS, foreign_to_export, made_by_export, output_kind, write_export
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,7 +85,9 @@ def main(args: argparse.Namespace) -> int:
     out, ckpt = Path(args.out), Path(args.ckpt)
     fmt, _ = output_kind(out, args.format)
     check_not_input(out, ckpt)
-    refuse_to_replace("--out", out, args.force, made_by_export, "no megaformer-export.json, no megaformer model")
+    refuse_to_replace(
+        "--out", out, args.force, made_by_export, "no megaformer-export.json, no megaformer model", foreign_to_export
+    )
     read = _resolve(ckpt, _stderr)  # an older checkpoint used is announced
     check_not_input(out, ckpt, read)
     model = load_model_file(read, log=_stderr)

@@ -31,7 +31,14 @@ from megaformer.cli_args import (
 )
 from megaformer.config import DataConfig
 from megaformer.data.corpus import FilterSettings
-from megaformer.data.prepare import SYNTHETIC_SHAPES, SYNTHETIC_VOCAB, PrepareSettings, made_by_prepare, prepare
+from megaformer.data.prepare import (
+    SYNTHETIC_SHAPES,
+    SYNTHETIC_VOCAB,
+    PrepareSettings,
+    foreign_to_prepare,
+    made_by_prepare,
+    prepare,
+)
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG
 from megaformer.errors import DataError
 
@@ -107,16 +114,14 @@ def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig)
     tok.add_argument(
         "--spm-sentences",
         type=nonneg_int,
-        default=PrepareSettings.spm_sentences,
         metavar="N",
-        help="train BPE on a seeded sample of at most N sentences, 0 = all (default: %(default)s)",
+        help=f"train BPE on a seeded sample of at most N sentences, 0 = all (default: {PrepareSettings.spm_sentences})",
     )
     tok.add_argument(
         "--character-coverage",
         type=finite_float(0.0, 1.0, lo_open=True),
-        default=1.0,
         metavar="F",
-        help="sentencepiece character coverage (default: %(default)s)",
+        help=f"sentencepiece character coverage (default: {PrepareSettings.character_coverage})",
     )
     tok.add_argument(
         "--bpe-dropout",
@@ -165,7 +170,9 @@ def _check_out(out: Path, args: argparse.Namespace) -> None:
     inputs = [("input --train", t) for t in args.train]
     inputs += [("input --valid", args.valid), ("input --test", args.test), ("input --spm", args.spm)]
     refuse_output_over_inputs("--out", out, inputs, "prepared data")
-    refuse_to_replace("--out", out, args.force, made_by_prepare, "no manifest.json of megaformer prepare")
+    refuse_to_replace(
+        "--out", out, args.force, made_by_prepare, "no manifest.json of megaformer prepare", foreign_to_prepare
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
@@ -181,6 +188,16 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
             f"--bpe-copies {args.bpe_copies} without --bpe-dropout would store one segmentation "
             f"{args.bpe_copies} times: give --bpe-dropout P (0.1 is the usual value) or leave --bpe-copies out"
         )
+    if args.src == args.tgt:
+        raise DataError(f"--src and --tgt are both {args.src!r}: give the two languages' file suffixes")
+    if args.spm is not None:  # the model's own settings: these options would train another one
+        given = [o for o, v in (("--vocab-size", args.vocab_size), ("--spm-sentences", args.spm_sentences),
+                                ("--character-coverage", args.character_coverage)) if v is not None]  # fmt: skip
+        if given:
+            raise DataError(
+                f"{', '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the sentencepiece model prepare trains, "
+                f"and --spm {args.spm} is reused as it is: leave {'them' if len(given) > 1 else 'it'} out"
+            )
     vocab_size = args.vocab_size
     if vocab_size is None:
         vocab_size = SYNTHETIC_VOCAB[args.synthetic_shape] if args.synthetic is not None else DataConfig().vocab_size
@@ -201,8 +218,8 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
         tgt=args.tgt,
         vocab_size=vocab_size,
         spm=args.spm,
-        spm_sentences=args.spm_sentences,
-        character_coverage=args.character_coverage,
+        spm_sentences=PrepareSettings.spm_sentences if args.spm_sentences is None else args.spm_sentences,
+        character_coverage=args.character_coverage or PrepareSettings.character_coverage,
         bpe_dropout=args.bpe_dropout,
         bpe_copies=args.bpe_copies,
         filters=filters,

@@ -56,6 +56,7 @@ _ENCODE_CHUNK = 10000  # lines encoded per sentencepiece call
 # The corpora ``prepare --synthetic N`` generates, and their default vocabularies.
 SYNTHETIC_SHAPES = ("task", "wmt14")
 SYNTHETIC_VOCAB = {"task": 1000, "wmt14": 37000}
+SYNTHETIC_CORPUS = "corpus"  # the folder of the prepared directory that holds the generated text of --synthetic
 
 
 @dataclass(frozen=True)
@@ -350,6 +351,21 @@ def made_by_prepare(folder: Path) -> bool:
         return False
 
 
+def foreign_to_prepare(folder: Path) -> list[str]:
+    """The names in an earlier ``prepare``'s ``folder`` that its manifest does not account for (what ``--force``
+    must not delete): all of them if the manifest cannot be read."""
+    names = {"manifest.json", SYNTHETIC_CORPUS}
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        names.add(manifest["tokenizer"]["file"])
+        for split in manifest["splits"].values():
+            names |= {s["file"] for s in split["shards"]} | {split["lengths"]["file"]}
+            names |= set((split.get("raw") or {}).values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir() if p.name not in names)
+
+
 def _with_synthetic_corpus(settings: PrepareSettings, folder: Path) -> PrepareSettings:
     """``settings`` reading the generated corpus of ``settings.synthetic`` pairs, written into ``folder``."""
     n = settings.synthetic
@@ -381,7 +397,7 @@ def prepare(settings: PrepareSettings, out: Path, before_commit: Callable[[], No
     """
     with atomic_output(out, replace=True) as work:
         if settings.synthetic is not None:
-            settings = _with_synthetic_corpus(settings, work / "corpus")
+            settings = _with_synthetic_corpus(settings, work / SYNTHETIC_CORPUS)
         started = time.monotonic()
         Preparation(settings, work, out).run()
         before_commit()

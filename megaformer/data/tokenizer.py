@@ -67,6 +67,12 @@ def train_bpe(
                 f"(at most {too_high.group(2)}): lower {setting}"
             ) from None
         reason = message.split("] ", 1)[-1].strip()
+        too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)\.", message)
+        if too_low:  # sentencepiece's own advice names its own flag, not megaformer's option
+            reason = (
+                f"the text has {too_low.group(2)} characters to keep (--character-coverage {character_coverage}): "
+                f"raise {setting} to at least {too_low.group(2)}, or lower --character-coverage"
+            )
         raise DataError(f"sentencepiece cannot train on {described_as} with {setting} {vocab_size}: {reason}") from None
     model_path.write_bytes(model.getvalue())
 

@@ -8,6 +8,7 @@ export (what ``megaformer export --force`` may replace) from anything else.
 
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -61,6 +62,20 @@ def made_by_export(path: Path) -> bool:
     except Exception:  # not a file of ours, whatever its library says
         return False
     return False
+
+
+def foreign_to_export(path: Path) -> list[str]:
+    """The names in an earlier export directory that its manifest does not list (what ``--force`` must not
+    delete): all of them if the manifest cannot be read; none for a model file."""
+    from megaformer.export.safetensors_format import MANIFEST
+
+    if not path.is_dir():
+        return []
+    try:
+        listed = set(json.loads((path / MANIFEST).read_text())["files"]) | {MANIFEST}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = {MANIFEST}
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir() if p.name not in listed)
 
 
 def write_export(model: Consolidated, out: Path, fmt: str, *, force: bool = False) -> None:
