@@ -67,8 +67,9 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     path: str = ""  # directory written by `megaformer prepare` (holds manifest.json)
-    src_lang: str = "en"
-    tgt_lang: str = "de"
+    # The direction of the prepared data (its manifest): "" takes it; a language given must be the data's.
+    src_lang: str = ""
+    tgt_lang: str = ""
     vocab_size: int = 8000  # used when no prepared data gives the real size
     max_tokens: int = 4096  # per micro-batch and side, counting padding
     max_len: int = 256  # longest sentence in tokens kept by prepare and streaming

@@ -482,3 +482,12 @@ def test_a_save_that_cannot_be_written_leaves_the_earlier_checkpoints(finished, 
     assert {p.name: sha256_of(p / "meta.json") for p in list_checkpoints(root)} == before
     assert not list(root.glob(".step-*")), "the unfinished save is removed"
     assert (root / "latest").read_text().strip() == "step-00000010"
+
+
+def test_a_config_for_another_direction_is_refused_and_the_run_records_the_datas(finished, shared_data, tmp_path):
+    """data.src_lang/tgt_lang were accepted and ignored: yy -> xx settings trained xx -> yy and recorded yy -> xx."""
+    line = _one_line_error(_train(tmp_path / "run", shared_data, "data.src_lang=yy"), "data.src_lang=yy: the data at")
+    assert "is xx -> yy (its manifest.json)" in line and "data.src_lang=xx data.tgt_lang=yy" in line, line
+    assert not (tmp_path / "run").exists()
+    recorded = (finished / "config.yaml").read_text()  # left empty in the config: the data's direction
+    assert "src_lang: xx" in recorded and "tgt_lang: yy" in recorded, recorded

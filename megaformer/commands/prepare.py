@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) -> None:
-    data.add_argument("--src", default=defaults.src_lang, help="source language suffix (default: %(default)s)")
-    data.add_argument("--tgt", default=defaults.tgt_lang, help="target language suffix (default: %(default)s)")
+    data.add_argument("--src", default="en", help="source language suffix (default: %(default)s)")
+    data.add_argument("--tgt", default="de", help="target language suffix (default: %(default)s)")
     data.add_argument(
         "--train",
         action="append",

@@ -56,7 +56,20 @@ def check_data(cfg: Config) -> None:
 
     if not cfg.data.path:
         raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
-    read_manifest(manifest_path(cfg.data.path))
+    check_direction(cfg, read_manifest(manifest_path(cfg.data.path)), cfg.data.path)
+
+
+def check_direction(cfg: Config, manifest: dict, where: str) -> None:
+    """``data.src_lang`` and ``data.tgt_lang``, where given, are the prepared data's (a config for en->de on de->en
+    data trained the other direction without a word)."""
+    data = (manifest.get("src_lang"), manifest.get("tgt_lang"))
+    for key, given, actual in zip(("src_lang", "tgt_lang"), (cfg.data.src_lang, cfg.data.tgt_lang), data, strict=True):
+        if given and given != actual:
+            raise ConfigError(
+                f"data.{key}={given}: the data at {where} is {data[0]} -> {data[1]} (its manifest.json): set "
+                f"data.src_lang={data[0]} data.tgt_lang={data[1]} (or leave them empty), or prepare "
+                f"{cfg.data.src_lang or data[0]} -> {cfg.data.tgt_lang or data[1]} data"
+            )
 
 
 def check_launch(cfg: Config, world: int) -> None:

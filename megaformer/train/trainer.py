@@ -61,7 +61,8 @@ class Trainer:
         if not cfg.data.path:
             raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
         manifest = read_manifest(manifest_path(cfg.data.path))
-        cfg.data.vocab_size = int(manifest["tokenizer"]["vocab_size"])
+        cfg.data.vocab_size = int(manifest["tokenizer"]["vocab_size"])  # the data's, as its direction:
+        cfg.data.src_lang, cfg.data.tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
         self.tokenizer = open_prepared(cfg.data.path, "train").tokenizer_path
         self.has_valid = "valid" in manifest["splits"]
 
