@@ -110,3 +110,26 @@ def test_sequence_parallel_needs_lengths_padded_alike_at_every_layout():
         assert cfg.parallel.sequence_parallel
     with pytest.raises(ConfigError, match="parallel.pad_to_multiple"):
         load_config(CONFIGS / "tiny.yaml", ["parallel.pad_to_multiple=0"])
+
+
+def test_settings_without_effect_are_named_with_why():
+    """Each setting a run would accept and ignore is named; the defaults and settings that act name none."""
+    from megaformer.train.unused import settings_without_effect
+
+    quiet = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pad_to_multiple=2"])
+    assert settings_without_effect(quiet, 8000) == [] and settings_without_effect(Config(), 1000) == []
+    sets = [
+        "parallel.sequence_parallel=true",
+        "train.warmup_fraction=0.5",
+        "train.zero_overlap_comm=true",
+        "train.profile_steps=3",
+        "data.vocab_size=4000",
+    ]
+    idle = settings_without_effect(load_config(None, sets), 1000)
+    assert [i.split(" ", 1)[0] for i in idle] == sets, idle
+    assert "tp=1" in idle[0] and "train.max_minutes" in idle[1] and "train.zero_stage=1" in idle[2], idle
+    acting = ["train.warmup_fraction=0.5", "train.max_minutes=5", "train.zero_overlap_comm=true", "train.zero_stage=2"]
+    assert (
+        settings_without_effect(load_config(None, [*acting, "train.profile_from=4", "train.profile_steps=3"]), 8000)
+        == []
+    )

@@ -317,7 +317,7 @@ def test_sequence_parallel_trains_what_tp1_trains_and_validates_any_length(corpu
     assert "tp=2 sequence-parallel dp=1" in run.stdout
     run = train(tmp_path / "tp1", 1, sets)
     ok(run)
-    assert "tp=1 (parallel.sequence_parallel ignored at tp=1) dp=1" in run.stdout
+    assert "train: without effect in this run: parallel.sequence_parallel=true (tp=1: no TP ranks" in run.stdout
     sp, reference = losses(tmp_path / "sp"), losses(tmp_path / "tp1")
     for step in range(1, 5):  # the SP reductions sum in another order: a few ulps of fp32
         assert abs(sp[step]["loss"] - reference[step]["loss"]) <= 1e-5 * reference[step]["loss"], step

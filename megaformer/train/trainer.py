@@ -49,6 +49,7 @@ from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
+from megaformer.train.unused import settings_without_effect
 from megaformer.train.validation import Validation
 
 
@@ -61,6 +62,8 @@ class Trainer:
         if not cfg.data.path:
             raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
         manifest = read_manifest(manifest_path(cfg.data.path))
+        if idle := settings_without_effect(cfg, int(manifest["tokenizer"]["vocab_size"])):
+            self.log(f"train: without effect in this run: {'; '.join(idle)}")
         cfg.data.vocab_size = int(manifest["tokenizer"]["vocab_size"])  # the data's, as its direction:
         cfg.data.src_lang, cfg.data.tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
         self.tokenizer = open_prepared(cfg.data.path, "train").tokenizer_path
@@ -139,7 +142,7 @@ class Trainer:
     def _describe(self, streams: int) -> None:
         """The run's shape in one line: size, layout, precision, micro-batches, run directory."""
         ctx, t = self.ctx, self.cfg.train
-        sp = " sequence-parallel" if ctx.layout.tp > 1 else " (parallel.sequence_parallel ignored at tp=1)"
+        sp = " sequence-parallel" if ctx.layout.tp > 1 else ""  # ignored at tp=1: said with the other idle settings
         if self.pipeline is not None:
             self.log(f"train: pipeline of {ctx.pp_size} stages: " + "; ".join(p.describe() for p in self.stages))
         self.log(
