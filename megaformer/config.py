@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,6 +165,10 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
     A boolean is not a number here (YAML's ``true`` would otherwise be ``1``), and an
     integer field takes only whole numbers ("25000", "2.5e4", 25000.0).
     """
+    if value is None:  # YAML's null (`key:` with nothing after it) is no value of any field
+        raise ConfigError(
+            f"{key}: empty (YAML null): give it a {kind.__name__} value, or leave the key out for its default"
+        )
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -206,10 +209,7 @@ def _apply(obj: Any, values: dict, prefix: str) -> None:
                 )
             _apply(current, value, key + ".")
         else:
-            kind = hints[name]
-            if isinstance(kind, types.UnionType):
-                kind = next(a for a in typing.get_args(kind) if a is not type(None))
-            setattr(obj, name, _convert(value, kind, key))
+            setattr(obj, name, _convert(value, hints[name], key))  # no field is Optional: null is refused
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:

@@ -169,6 +169,7 @@ PATHS = [
     (("train", "--config", "{tiny}", "--resume", "{missing}"), "argument --resume: "),
     (("train", "--config", "{nodata_yaml}"), "missing-data"),
     (("info", "--config", "{utf16_yaml}"), "utf16.yaml: not UTF-8 text (byte 0)"),  # a UnicodeDecodeError before
+    (("info", "--config", "{tiny}", "--set", "train.precision=null"), "train.precision: empty (YAML null)"),  # 'None'
     (("reshard", "--ckpt", "{missing}", "--out", "{dir}", "--tp", "1"), "argument --ckpt: "),
     (("reshard", "--ckpt", "{dir}", "--out", "{file}", "--tp", "1"), "argument --out: "),
     (("inspect", "{missing}"), "argument DIR: "),

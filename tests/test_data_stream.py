@@ -345,5 +345,8 @@ def test_manifest_made_with_another_tokenizer(prepared: Path, one_shard: Path) -
 
 def test_state_for_another_split_is_refused(prepared: Path) -> None:
     state = TokenBatchStream(prepared, "valid", dp_rank=0, dp_size=1, max_tokens=256).state_dict()
-    with pytest.raises(DataError, match="stream state is for split valid"):
+    with pytest.raises(DataError) as err:
         TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, max_tokens=256).load_state_dict(state)
+    # names the data and what to change (it said "stream state is for split valid with N samples")
+    assert str(prepared / "manifest.json") in str(err.value) and "position is in split valid" in str(err.value)
+    assert "(data.path)" in str(err.value)

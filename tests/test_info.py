@@ -248,3 +248,10 @@ def test_a_world_the_layout_cannot_fill_is_said_and_the_table_still_printed():
     assert "layouts for 6 GPUs" in out and "(ZeRO-1 over dp=1)" in out
     out = _info("--config", "configs/transformer_big.yaml", "--world", "16", "--set", "parallel.dp=2")
     assert "x parallel.dp=2) runs on 8 GPUs" in out
+
+
+def test_the_configured_mark_needs_the_configured_dp_too():
+    """tp=2 dp=2 on 2 GPUs is not the table's tp=2 dp=1 row (the mark compared tp alone)."""
+    out = _info("--config", "configs/tiny.yaml", "--set", "parallel.tp=2", "--set", "parallel.dp=2", "--world", "2")
+    assert "<- configured" not in out and "runs on 4 GPUs" in out
+    assert "<- configured" in _info("--config", "configs/tiny.yaml", "--set", "parallel.tp=2", "--world", "2")

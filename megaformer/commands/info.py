@@ -117,7 +117,7 @@ def _print_layouts(layouts: dict, cfg: Config) -> None:
     for r in layouts["estimates"]:
         ms = "{:7.1f}ms".format
         micro = "refused" if "refused" in r else f"{r['micro_batches_per_step']} x {r['max_tokens_per_micro_batch']}"
-        configured = r["tp"] == cfg.parallel.tp and cfg.parallel.pp == 1
+        configured = r["tp"] == cfg.parallel.tp and cfg.parallel.dp in (0, r["dp"]) and cfg.parallel.pp == 1
         mark = " <- fastest" if r is best else (" <- configured" if configured else "")
         print(
             f"{r['tp']:>3} {r['dp']:>4} {ms(1e3 * r['compute_s'])} {r['tp_bytes'] / 1e9:8.2f}GB {ms(1e3 * r['tp_s'])} "

@@ -442,9 +442,11 @@ class TokenBatchStream:
         except (KeyError, TypeError) as err:
             raise DataError(f"not a stream state (missing or wrong {err})") from None
         if state["split"] != self.split or state["samples"] != len(self.data.lengths):
+            where = self.data.manifest or (self.data.urls[0] if self.data.urls else self.split)
             raise DataError(
-                f"stream state is for split {state['split']} with {state['samples']} samples, "
-                f"this stream reads {self.split} with {len(self.data.lengths)}"
+                f"{where}: split {self.split} holds {len(self.data.lengths):,} samples, and the checkpoint's data "
+                f"position is in split {state['split']} of {state['samples']:,}: resume on the data it was trained "
+                f"on (data.path), or start a new run in another --run-dir"
             )
         if saved == self.settings:
             self._history, self._batches = history, batches
