@@ -258,7 +258,8 @@ records = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"train"' in l
 # profile's last step (which also synchronizes and writes the trace), so after compiling too.
 steady = [r for before, r in zip(records, records[1:]) if before["step"] >= profiled] or records[-1:]
 rate = sum(r["tokens_per_s"] for r in steady) / len(steady)
-mfu = sum(r["mfu"] for r in steady) / len(steady)
+mfus = [r["mfu"] for r in steady if r["mfu"] is not None]  # None: beyond the peak (a wrong train.peak_tflops)
+mfu = sum(mfus) / len(mfus) if mfus else float("nan")
 out = f"Trainer {rate:,.0f} target tokens/s, MFU {100 * mfu:.1f} % (steps {steady[0]['step']}-{steady[-1]['step']})"
 try:
     a = json.loads(alone)

@@ -177,3 +177,18 @@ def test_the_matmul_peak_does_not_stop_growing_on_a_cold_first_call(monkeypatch)
     monkeypatch.setattr(metrics.torch, "randn", lambda n, m, dtype: Operand(n))
     assert metrics.measured_matmul_peak(torch.float32, n=1024) > 0
     assert sorted(set(calls)) == [128, 256, 512, 1024], calls  # grown to n, each size warmed once
+
+
+def test_an_mfu_beyond_the_peak_is_not_shown_and_said_once():
+    """A CPU peak timed while other work held the cores gave an MFU of 145 %: not a figure to show."""
+    from megaformer.train.metrics import Peak
+
+    said: list[str] = []
+    peak = Peak(2e9, "a matmul timed at start-up; train.peak_tflops sets it", 2)
+    assert peak.describe() == (
+        "MFU against 0.002 TFLOP/s, the peak of 2 ranks (a matmul timed at start-up; train.peak_tflops sets it)"
+    )
+    assert peak.mfu(1e9, said.append) == 0.5 and said == []
+    assert peak.mfu(3e9, said.append) is None and peak.mfu(4e9, said.append) is None
+    assert len(said) == 1 and "computes 0.003 TFLOP/s, more than the peak of 0.002" in said[0], said
+    assert "other work held the cores" in said[0] and "set train.peak_tflops" in said[0]

@@ -14,6 +14,8 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -106,6 +108,39 @@ def peak_source(device: torch.device, override_tflops: float = 0.0) -> str:
     return "the GPU's datasheet" if device.type == "cuda" else "a matmul timed at start-up; train.peak_tflops sets it"
 
 
+@dataclass
+class Peak:
+    """The peak FLOP/s of all ranks together that MFU is measured against, and where the figure comes from.
+
+    A CPU's peak is timed at start-up, when other work may hold the cores: a run then
+    computes more than its "peak" (an MFU of 145 % was logged). Such an MFU is not shown,
+    and the log says once why and what to set.
+    """
+
+    flops: float
+    source: str
+    ranks: int
+    doubted: bool = False  # the run has computed more than this peak
+
+    def describe(self) -> str:
+        n = self.ranks
+        return f"MFU against {self.flops / 1e12:.3g} TFLOP/s, the peak of {n} rank{'s' * (n > 1)} ({self.source})"
+
+    def mfu(self, flops_per_s: float, log: Callable[[str], None]) -> float | None:
+        """``flops_per_s`` as a share of the peak; None (said once through ``log``) beyond it."""
+        share = flops_per_s / self.flops
+        if share <= 1.0:
+            return share
+        if not self.doubted:
+            self.doubted = True
+            why = "" if self.source == "train.peak_tflops" else " (timed while other work held the cores?)"
+            log(
+                f"train: MFU not shown: the run computes {flops_per_s / 1e12:.3g} TFLOP/s, more than the peak of "
+                f"{self.flops / 1e12:.3g} it is measured against{why}: set train.peak_tflops to the device's peak"
+            )
+        return None
+
+
 class MetricsLogger:
     """Appends one JSON object per logged step to ``metrics.jsonl`` and mirrors it to tensorboard."""
 
@@ -157,9 +192,10 @@ class MetricsLogger:
         elapsed = time.monotonic() - self.start
         loss = "skipped" if r["loss"] is None else f"{r['loss']:.4f}"  # only fp16 overflow steps since the last line
         norm = "-" if r["grad_norm"] is None else f"{r['grad_norm']:.3f}"
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"  # None: beyond the peak measured
         line = (
             f"step {r['step']:>6d}/{self.max_steps} | loss {loss} | lr {r['lr']:.2e} | "
-            f"gnorm {norm} | {r['tokens_per_s']:,.0f} tok/s | mfu {100 * r['mfu']:.1f}% | "
+            f"gnorm {norm} | {r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
             f"epoch {r['epoch']} | {_hms(elapsed)}"
         )
         if r["loss_scale"] != 1.0:

@@ -44,7 +44,7 @@ from megaformer.train.budget import BudgetPlan, compile_choice
 from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine, cooldown_of
 from megaformer.train.feed import DataFeed, stream_count
-from megaformer.train.metrics import MetricsLogger, device_peak_flops, peak_source
+from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, peak_source
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
@@ -98,7 +98,8 @@ class Trainer:
         # they train): ranks that share cores then measure the share they really get.
         if dist.is_initialized():
             dist.barrier(group=ctx.world_group)
-        self.peak = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
+        flops = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
+        self.peak = Peak(flops, peak_source(ctx.device, t.peak_tflops), ctx.layout.world_size)
         self.tokens, self.train_seconds, self.world_seconds = 0, 0.0, 0.0
         self.budget = BudgetPlan(t.max_minutes, t.max_steps, t.warmup_fraction, t.warmup_steps)
         self._warmup_said: int | None = None  # the fitted warm-up last logged; None again once its end is
@@ -151,8 +152,7 @@ class Trainer:
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data stream{'s' * (streams != 1)}, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
-        n, source = ctx.layout.world_size, peak_source(ctx.device, t.peak_tflops)
-        self.log(f"train: MFU against {self.peak / 1e12:.3g} TFLOP/s, the peak of {n} rank{'s' * (n > 1)} ({source})")
+        self.log(f"train: {self.peak.describe()}")
 
     def _resume_point(self, resume: str) -> Path | None:
         if resume == "none":
@@ -471,7 +471,7 @@ class Trainer:
             "loss_scale": self.engine.loss_scale(),
             "tokens": self.tokens,
             "tokens_per_s": tokens_per_s,
-            "mfu": 6 * self.parameters * tokens_per_s / self.peak,
+            "mfu": self.peak.mfu(6 * self.parameters * tokens_per_s, self.log),  # None beyond the peak
             "epoch": self.feed.epoch(),
             "skipped_steps": self.engine.skipped_steps,
             "train_seconds": self.train_seconds,
