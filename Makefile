@@ -138,7 +138,7 @@ multi30k: install
 	$(PY) -m megaformer.cli train --config configs/multi30k.yaml --set data.path=$(M30K)/data --set model.dropout=$(M30K_DROPOUT) --set model.norm=$(M30K_NORM) \
 		--set train.precision=$(M30K_PRECISION) --set train.zero_stage=$(if $(filter fp32,$(M30K_PRECISION)),0,1) --set train.tokens_per_step=$(M30K_TOKENS) --set train.lr_scale=$(M30K_LR_SCALE) \
 		--set train.warmup_steps=$(M30K_WARMUP) --set train.cooldown_fraction=$(M30K_COOLDOWN) --set train.max_minutes=$(MINUTES) --set train.save_minutes=$(M30K_SAVE) --run-dir $(M30K_RUN) $(M30K_LAYOUT) --resume auto
-	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt
+	$(PY) -m megaformer.cli average --last 5 --run-dir $(M30K_RUN) --out $(M30K)/averaged$(M30K_TAG).pt --force
 	$(foreach t,$(TESTS),$(call m30k_score,$(t)))
 
 clean:

@@ -190,6 +190,20 @@ def refuse_output_over_inputs(
             )
 
 
+def refuse_checkpoint_names(option: str, out: str | Path) -> None:
+    """ConfigError for an output named like a step directory or a pointer (``latest``, ``best``) beside a run's
+    ``step-*`` folders: training's saves and pruning own those names (an export named ``step-00000300`` there was
+    replaced by the run's step 300, an average named ``latest`` redirected every later resume)."""
+    from megaformer.checkpoint.format import POINTERS, STEP_DIR
+
+    path = _resolved(out)
+    if (STEP_DIR.match(path.name) or path.name in POINTERS) and any(p.is_dir() for p in path.parent.glob("step-*")):
+        raise ConfigError(
+            f"{option} {out}: {path.parent} holds a run's checkpoints, and {path.name!r} is a name training's saves "
+            f"and pruning give and replace there: write it elsewhere or under another name"
+        )
+
+
 def refuse_to_replace(
     option: str,
     out: str | Path,

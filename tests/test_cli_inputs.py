@@ -342,6 +342,38 @@ def test_average_and_evaluate_refuse_to_overwrite_their_inputs(text_run, run):
     assert (tree_digest(text_run["run"]), text_run["model"].read_bytes(), text_run["ref"].read_bytes()) == before
 
 
+def test_average_and_export_keep_off_what_a_run_reads_and_what_is_not_theirs(text_run, run, tmp_path):
+    """average wrote over the newest step of a run named by --ckpt RUN, over its `latest` pointer, over any file
+    and under any suffix; export took a step-N name among a run's checkpoints, which training's save replaced."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(text_run["run"], copy)
+    (copy / ".lock").unlink(missing_ok=True)
+    step = copy / "checkpoints" / "step-00000800"
+    before = tree_digest(copy)
+    shard = step / "model-tp00-of-01.pt"
+    assert_one_line_error(*run("average", "--ckpt", copy, "--out", shard)[::2], "is inside the input")
+    assert_one_line_error(*run("average", "--ckpt", copy, "--out", tmp_path / "a.safetensors")[::2], "name it NAME.pt")
+    latest = copy / "checkpoints" / "latest.pt"  # a pointer's name with .pt is the user's own name: the .pt rule
+    latest_out = copy / "checkpoints" / "latest"
+    assert_one_line_error(*run("average", "--run-dir", copy, "--last", "1", "--out", latest_out)[::2], "NAME.pt")
+    assert_one_line_error(
+        *run("export", "--ckpt", copy, "--format", "hf", "--out", copy / "checkpoints" / "step-00000900")[::2],
+        "holds a run's checkpoints, and 'step-00000900' is a name training",
+    )
+    assert tree_digest(copy) == before and not latest.exists()
+    notes = tmp_path / "notes.pt"
+    notes.write_text("my notes\n")
+    assert_one_line_error(*run("average", "--ckpt", copy, "--out", notes)[::2], "already exists")
+    assert_one_line_error(*run("average", "--ckpt", copy, "--out", notes, "--force")[::2], "no megaformer model")
+    assert notes.read_text() == "my notes\n"
+    out = copy / "averaged.pt"  # beside the run's checkpoints: fine, and an earlier average is replaced with --force
+    assert run("average", "--ckpt", copy, "--out", out)[0] == 0
+    assert_one_line_error(*run("average", "--ckpt", copy, "--out", out)[::2], "already exists")
+    assert run("average", "--ckpt", copy, "--out", out, "--force")[0] == 0
+
+
 def test_prepare_refuses_to_replace_a_folder_holding_its_input(run, tmp_path):
     (tmp_path / "corpus").mkdir()
     for lang in ("xx", "yy"):

@@ -7,7 +7,8 @@ defaulting to the run's ``decode.average_last`` (the paper averages the last 5; 
 way are announced on stderr.
 
 Nothing is destroyed: the model file is written to a temporary file and renamed into
-place (``save_consolidated``), and an ``--out`` that is one of the inputs is refused.
+place (``save_consolidated``); an ``--out`` that is or lies in an input, bears a name training
+gives its checkpoints, or exists (without ``--force``, which replaces only a model file) is refused.
 """
 
 from __future__ import annotations
@@ -25,10 +26,19 @@ from megaformer.checkpoint import (
     resolve_checkpoint,
     save_consolidated,
 )
-from megaformer.cli_args import existing_dir, existing_path, new_file, positive_int
+from megaformer.cli_args import (
+    existing_dir,
+    existing_path,
+    new_file,
+    positive_int,
+    refuse_checkpoint_names,
+    refuse_output_over_inputs,
+    refuse_to_replace,
+)
 from megaformer.config import from_dict
 from megaformer.decode.translate import open_model
 from megaformer.errors import CheckpointError, ConfigError
+from megaformer.export.write import made_by_export
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --run-dir: how many (default: the run's decode.average_last)",
     )
-    parser.add_argument("--out", type=new_file, required=True, help="where the averaged model file goes")
+    parser.add_argument("--out", type=new_file, required=True, help="where the averaged model file goes (NAME.pt)")
+    parser.add_argument("--force", action="store_true", help="replace --out if it is an earlier megaformer model file")
 
 
 def _stderr(message: str) -> None:
@@ -71,13 +82,21 @@ def _run_paths(run_dir: str, last: int | None) -> list[Path]:
     return last_checkpoints(run_dir, last, log=_stderr, asked_by=asked_by)
 
 
-def _check_out(out: str, paths: list[Path]) -> None:
-    """Refuse an output that would replace one of the inputs, or land inside a step directory being read."""
-    target = Path(out).resolve()
-    for p in paths:
-        source = Path(p).resolve()
-        if target == source or (STEP_DIR.match(source.name) and source in target.parents):
-            raise ConfigError(f"--out {out}: would overwrite the input {p}; write the average elsewhere")
+def _check_out(out: Path, paths: list[Path], force: bool) -> None:
+    """Refuse an output that is not NAME.pt, would replace or lie in what is read (a run directory's newest
+    step among it), bears a name training owns, or exists and is not an earlier model file (without --force)."""
+    if out.suffix != ".pt":
+        raise ConfigError(
+            f"--out {out}: average writes one megaformer model file: name it NAME.pt (`megaformer export` "
+            f"then writes safetensors, hf or ct2)"
+        )
+    refuse_checkpoint_names("--out", out)
+    inputs = []
+    for p in paths:  # a run directory may hold the average beside its checkpoints, not in the step it reads
+        is_run = Path(p).is_dir() and not STEP_DIR.match(Path(p).name)
+        inputs.append(("input", resolve_checkpoint(Path(p), log=lambda m: None) if is_run else p))
+    refuse_output_over_inputs("--out", out, inputs, "average")
+    refuse_to_replace("--out", out, force, made_by_export, "no megaformer model")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -87,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         if args.last is not None:
             raise ConfigError("--last goes with --run-dir, not with --ckpt")
         paths = [Path(p) for p in args.ckpt]
-    _check_out(args.out, paths)
+    _check_out(Path(args.out), paths, args.force)
     model = average_checkpoints(paths, load=lambda p: open_model(p, "average")[0])
     check_step_name(Path(args.out), model.meta.get("step"))  # not a step-N name that says another step
     try:

@@ -27,7 +27,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from megaformer.cli_args import existing_path, overlap, refuse_output_over_inputs, refuse_to_replace
+from megaformer.checkpoint.format import check_step_name
+from megaformer.cli_args import (
+    existing_path,
+    overlap,
+    refuse_checkpoint_names,
+    refuse_output_over_inputs,
+    refuse_to_replace,
+)
 from megaformer.export.write import FORMATS, foreign_to_export, made_by_export, output_kind, write_export
 
 
@@ -85,12 +92,14 @@ def main(args: argparse.Namespace) -> int:
     out, ckpt = Path(args.out), Path(args.ckpt)
     fmt, _ = output_kind(out, args.format)
     check_not_input(out, ckpt)
+    refuse_checkpoint_names("--out", out)
     refuse_to_replace(
         "--out", out, args.force, made_by_export, "no megaformer-export.json, no megaformer model", foreign_to_export
     )
     read = _resolve(ckpt, _stderr)  # an older checkpoint used is announced
     check_not_input(out, ckpt, read)
     model = load_model_file(read, log=_stderr)
+    check_step_name(out, model.meta.get("step"))  # not a step-N name that says another step
     if fmt in ("hf", "ct2"):  # a command prints its own one-line result, not transformers' progress bars
         from transformers.utils import logging as hf_logging
 
