@@ -260,3 +260,31 @@ def test_bad_input_is_one_line_and_status_2(files, run, tmp_path):
         different,
         "d_ff",
     )
+
+
+def test_ctrl_c_during_translate_at_tp2_is_an_interruption(files, tmp_path):
+    """Ctrl-C (SIGINT to the process group) stopped both decoding ranks and the command said "2 decoding
+    processes failed (exit status 130); their messages are above", with nothing above: now it was interrupted."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import time
+
+    rng = random.Random(7)
+    (tmp_path / "many.src").write_text("\n".join(random_sentence(rng) for _ in range(20000)) + "\n")
+    out = tmp_path / "many.txt"
+    argv = [sys.executable, "-m", "megaformer.cli", "translate", "--ckpt", str(files["model"]), "--tp", "2"]
+    argv += ["--input", str(tmp_path / "many.src"), "--output", str(out)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    said, deadline = b"", time.monotonic() + 240
+    while b"translated " not in said and time.monotonic() < deadline:  # both ranks decoding (it takes minutes)
+        if select.select([proc.stderr], [], [], 1.0)[0]:
+            said += os.read(proc.stderr.fileno(), 4096)
+    os.killpg(proc.pid, signal.SIGINT)
+    rest = proc.communicate(timeout=120)[1]
+    err = (said + rest).decode()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "megaformer translate: interrupted", err
+    assert "failed" not in err and "Traceback" not in err and not out.exists(), err

@@ -235,6 +235,8 @@ def run_translation(
     with tempfile.TemporaryDirectory(prefix="megaformer-translate-") as tmp:
         result = Path(tmp) / "result.json"
         code = spawn(_rank_main, tp, str(ckpt), sources, settings, max_tokens, tp, str(result), quiet)
+        if code == 130:  # Ctrl-C reached every rank, which stopped: the command was interrupted, nothing failed
+            raise KeyboardInterrupt
         if code != 0 or not result.is_file():
             raise MegaformerError(f"{tp} decoding processes failed (exit status {code}); their messages are above")
         data = json.loads(result.read_text())
