@@ -374,6 +374,40 @@ def test_average_and_export_keep_off_what_a_run_reads_and_what_is_not_theirs(tex
     assert run("average", "--ckpt", copy, "--out", out, "--force")[0] == 0
 
 
+def test_checkpoint_tools_say_what_was_given_and_what_to_give(text_run, run, tmp_path):
+    """Messages that named the wrong cause or a fix that did not work, and an output nothing would read."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(text_run["run"], copy)
+    step = copy / "checkpoints" / "step-00000800"
+    # a model file is no training checkpoint (it said "no complete checkpoint found")
+    argv = ("reshard", "--ckpt", text_run["model"], "--out", tmp_path / "r", "--tp", "2")
+    assert_one_line_error(*run(*argv)[::2], "is a file, not a training checkpoint")
+    assert "`translate --tp N` decodes it" in run(*argv)[2]
+    # a pointer to a deleted step (it said "no meta.json (the save did not finish)")
+    (copy / "checkpoints" / "best").write_text("step-00000010\n")
+    argv = ("translate", "--ckpt", copy / "checkpoints" / "best", "--input", text_run["src"])
+    assert_one_line_error(*run(*argv)[::2], "best: names step-00000010, which is not in")
+    # average --run-dir of one step suggested --last 1, which failed the same way
+    argv = ("average", "--run-dir", step, "--out", tmp_path / "a.pt")
+    assert_one_line_error(*run(*argv)[::2], "is one checkpoint (a step directory), not a run: name the checkpoints")
+    # reshard into a run directory wrote a step beside checkpoints/, which nothing reads
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    argv = ("reshard", "--ckpt", step, "--out", other, "--tp", "2")
+    assert_one_line_error(
+        *run(*argv)[::2], f"is a run directory, whose checkpoints are read from {other / 'checkpoints'}"
+    )
+    assert list(other.iterdir()) == [other / "checkpoints"]
+    # an export of an average says so, and names the file it read (it named the newest step's directory)
+    code, _, err = run("average", "--ckpt", step, text_run["model"], "--out", tmp_path / "avg.pt")
+    assert code == 0, err
+    code, out, err = run("export", "--ckpt", tmp_path / "avg.pt", "--out", tmp_path / "avg.safetensors")
+    assert code == 0, err
+    assert "the average of steps [" in out and out.rstrip().endswith(f"from {tmp_path / 'avg.pt'}"), out
+
+
 def test_prepare_refuses_to_replace_a_folder_holding_its_input(run, tmp_path):
     (tmp_path / "corpus").mkdir()
     for lang in ("xx", "yy"):

@@ -180,14 +180,28 @@ def resolve_checkpoint(path: str | Path, log: Log) -> Path:
         name = read_pointer(path)
         if name is None:
             raise CheckpointError(f"{path}: does not name a step directory")
+        if not (path.parent / name).is_dir():
+            raise CheckpointError(f"{path}: names {name}, which is not in {path.parent} (deleted?)")
         path = path.parent / name
     if STEP_DIR.match(path.name):
         check_complete(path, verify=True)
         return path
-    found = find_latest(path, log)
+    found = find_latest(path, log) if path.is_dir() else None
     if found is None:
-        raise CheckpointError(f"{path}: no complete checkpoint found")
+        raise CheckpointError(f"{path}: {_what_instead(path)}")
     return found
+
+
+def _what_instead(path: Path) -> str:
+    """Why ``path`` holds no training checkpoint, and where one is (a model file or export has no training state)."""
+    wanted = "a training checkpoint: a run directory, its checkpoints folder or a step-N directory in it"
+    if path.is_file() or (path / "megaformer-export.json").is_file():
+        kind = "an export" if path.is_dir() else "a file"
+        return (
+            f"is {kind}, not {wanted}; a model file or export holds no training state (translate, evaluate and "
+            f"export read it, and `translate --tp N` decodes it at any TP size)"
+        )
+    return f"no complete checkpoint found: expected {wanted}"
 
 
 def prune(root: Path, keep_last: int) -> None:

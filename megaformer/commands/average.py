@@ -101,6 +101,12 @@ def _check_out(out: Path, paths: list[Path], force: bool) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
+        if STEP_DIR.match(Path(args.run_dir).name):
+            run = Path(args.run_dir).parent.parent
+            raise ConfigError(
+                f"--run-dir {args.run_dir}: is one checkpoint (a step directory), not a run: name the checkpoints "
+                f"to average with --ckpt, or their run with --run-dir {run}"
+            )
         paths = _run_paths(args.run_dir, args.last)
     else:
         if args.last is not None:

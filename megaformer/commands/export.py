@@ -106,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
         hf_logging.disable_progress_bar()
     write_export(model, out, fmt, force=args.force)
     n = sum(t.numel() for t in model.model.values())
-    step, source = model.meta.get("step"), model.meta.get("source", read)
-    print(f"export: wrote {out} ({fmt}, {n:,} values, step {step}) from {source}")
+    steps = model.meta.get("averaged_steps")  # an average names its steps, not only the newest one's
+    what = f"the average of steps {steps}" if steps else f"step {model.meta.get('step')}"
+    print(f"export: wrote {out} ({fmt}, {n:,} values, {what}) from {read}")
     return 0

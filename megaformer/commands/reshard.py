@@ -37,6 +37,11 @@ def target_of(step_dir: Path, out: Path) -> Path:
     from megaformer.checkpoint import STEP_DIR, check_complete, check_step_name
 
     check_step_name(out, check_complete(step_dir)["step"])  # --out RUN/checkpoints/step-99999999 of step 20
+    if (out / "checkpoints").is_dir():  # a step beside checkpoints/ is read by nothing
+        raise CheckpointError(
+            f"--out {out}: is a run directory, whose checkpoints are read from {out / 'checkpoints'}: pass that "
+            f"folder as --out (or a new folder)"
+        )
     target = out if STEP_DIR.match(out.name) else out / step_dir.name
     here, there = step_dir.resolve(), target.resolve()
     if there == here:
