@@ -139,6 +139,9 @@ def _entry(
             1,
             (traceback.format_exc().rstrip(), f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"),
         )
+    # Done: a Ctrl-C now (the terminal's and the launcher's forwarded copy both reach a decoding rank)
+    # must not break the report below into a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if report is not None:
         errors.put((time.time(), rank, *report))
     errors.close()

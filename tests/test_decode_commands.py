@@ -286,5 +286,5 @@ def test_ctrl_c_during_translate_at_tp2_is_an_interruption(files, tmp_path):
     rest = proc.communicate(timeout=120)[1]
     err = (said + rest).decode()
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "megaformer translate: interrupted", err
+    assert err.rstrip().endswith("megaformer translate: interrupted"), err  # a progress line may be cut short
     assert "failed" not in err and "Traceback" not in err and not out.exists(), err
