@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except MegaformerError as err:
         print(f"megaformer {command.name}: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # on a new line: a progress line on a terminal ends in \r
-        print(f"{chr(10) if sys.stderr.isatty() else ''}megaformer {command.name}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:
+        lead = "\n" if sys.stderr.isatty() else ""  # a progress line on a terminal ends in \r, not a newline
+        print(f"{lead}megaformer {command.name}: interrupted", file=sys.stderr)
         return 130
     except OSError as err:
         if err.errno not in _WHAT_TO_DO:  # not the machine's state: a bug of ours, with its traceback

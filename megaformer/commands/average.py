@@ -7,8 +7,8 @@ defaulting to the run's ``decode.average_last`` (the paper averages the last 5; 
 way are announced on stderr.
 
 Nothing is destroyed: the model file is written to a temporary file and renamed into
-place (``save_consolidated``); an ``--out`` that is or lies in an input, bears a name training
-gives its checkpoints, or exists (without ``--force``, which replaces only a model file) is refused.
+place (``save_consolidated``); an ``--out`` that is not NAME.pt, is or lies in an input, or exists
+(without ``--force``, which replaces only a model file) is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from megaformer.cli_args import (
     existing_path,
     new_file,
     positive_int,
-    refuse_checkpoint_names,
     refuse_output_over_inputs,
     refuse_to_replace,
 )
@@ -83,14 +82,13 @@ def _run_paths(run_dir: str, last: int | None) -> list[Path]:
 
 
 def _check_out(out: Path, paths: list[Path], force: bool) -> None:
-    """Refuse an output that is not NAME.pt, would replace or lie in what is read (a run directory's newest
-    step among it), bears a name training owns, or exists and is not an earlier model file (without --force)."""
+    """Refuse an output that is not NAME.pt (so never a step-N or pointer name), would replace or lie in what
+    is read (a run directory's newest step among it), or exists and is not an earlier model file (--force)."""
     if out.suffix != ".pt":
         raise ConfigError(
             f"--out {out}: average writes one megaformer model file: name it NAME.pt (`megaformer export` "
             f"then writes safetensors, hf or ct2)"
         )
-    refuse_checkpoint_names("--out", out)
     inputs = []
     for p in paths:  # a run directory may hold the average beside its checkpoints, not in the step it reads
         is_run = Path(p).is_dir() and not STEP_DIR.match(Path(p).name)
