@@ -186,22 +186,25 @@ def resolve_checkpoint(path: str | Path, log: Log) -> Path:
     if STEP_DIR.match(path.name):
         check_complete(path, verify=True)
         return path
+    refuse_model_file(path)
     found = find_latest(path, log) if path.is_dir() else None
     if found is None:
-        raise CheckpointError(f"{path}: {_what_instead(path)}")
+        raise CheckpointError(f"{path}: no complete checkpoint found: expected {_WANTED}")
     return found
 
 
-def _what_instead(path: Path) -> str:
-    """Why ``path`` holds no training checkpoint, and where one is (a model file or export has no training state)."""
-    wanted = "a training checkpoint: a run directory, its checkpoints folder or a step-N directory in it"
-    if path.is_file() or (path / "megaformer-export.json").is_file():
+_WANTED = "a training checkpoint: a run directory, its checkpoints folder or a step-N directory in it"
+
+
+def refuse_model_file(path: Path) -> None:
+    """A model file or an export (no training state) where a training checkpoint is wanted is refused, saying what
+    reads it; from names alone, so that ``train --resume`` refuses it before any process starts."""
+    if (path.is_file() and path.name not in POINTERS) or (path / "megaformer-export.json").is_file():
         kind = "an export" if path.is_dir() else "a file"
-        return (
-            f"is {kind}, not {wanted}; a model file or export holds no training state (translate, evaluate and "
-            f"export read it, and `translate --tp N` decodes it at any TP size)"
+        raise CheckpointError(
+            f"{path}: is {kind}, not {_WANTED}; a model file or export holds no training state (translate, "
+            f"evaluate and export read it, and `translate --tp N` decodes it at any TP size)"
         )
-    return f"no complete checkpoint found: expected {wanted}"
 
 
 def prune(root: Path, keep_last: int) -> None:
