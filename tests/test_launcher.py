@@ -363,3 +363,13 @@ def test_one_process_needs_no_free_port(monkeypatch):
             assert ctx.owns_world and ctx.dp_group is not None
         finally:
             ctx.destroy()
+
+
+def test_env_command_outside_slurm_says_there_is_no_node_list():
+    """The `nodes` line was blank outside SLURM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megaformer.cli", "env"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "nodes                  (no SLURM node list: this host)" in proc.stdout.splitlines(), proc.stdout

@@ -25,5 +25,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(found))
         return 0
     for key, value in found.items():
+        if key == "nodes" and not value:  # a blank line said nothing
+            value = ["(no SLURM node list: this host)"]
         print(f"{key:22} {','.join(value) if isinstance(value, list) else value}")
     return 0
