@@ -193,16 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         lead = "\n" if sys.stderr.isatty() else ""  # a progress line on a terminal ends in \r, not a newline
         print(f"{lead}megaformer {command.name}: interrupted", file=sys.stderr)
         return 130
-    except OSError as err:
+    except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as err:  # after BrokenPipeError, one of them
         if err.errno not in _WHAT_TO_DO:  # not the machine's state: a bug of ours, with its traceback
             raise
         out = getattr(args, "out", None)  # ENOSPC names no file: the command's output is where it wrote
         where = f"{err.filename}: " if err.filename else f"writing {out}: " if out else ""
         print(f"megaformer {command.name}: error: {where}{err.strerror}: {_WHAT_TO_DO[err.errno]}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # output piped into `head` and closed early: not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ class TrainConfig:
     fp16_hysteresis: int = 2  # overflows tolerated before the loss scale is lowered
     # ZeRO communication (benchmarks/zero_overhead.py measures them against ZeRO-0):
     zero_bucket_size: int = 50_000_000  # elements per reduce / all-gather bucket (DeepSpeed's default: 5e8)
-    zero_overlap_comm: bool = False  # overlap ZeRO-2 gradient reduction with backward (GPU streams)
+    zero_overlap_comm: bool = False  # overlap ZeRO's gradient reduction with backward (GPU streams; not bf16 ZeRO-1)
     zero_reduce_scatter: bool = True  # ZeRO-2 reduces gradients by reduce-scatter (else all-reduce)
     # Copy gradients into one buffer as backward produces them: saves fragmentation on a GPU,
     # costs a copy on a CPU. auto = on with CUDA, off on CPU.

@@ -400,22 +400,25 @@ def test_resume_none_into_a_run_dir_with_checkpoints_is_refused(finished, shared
     assert (run / "metrics.jsonl").read_text() == metrics
 
 
-def test_resuming_another_runs_checkpoint_into_a_run_dir_with_checkpoints_is_refused(finished, shared_data, tmp_path):
-    """`--resume PATH` of another run into a run directory with its own saves would mix the two runs (average took
-    steps of both); a checkpoint of the run directory itself is a step back in its own run and is not refused."""
-    from megaformer.commands.train import _refuse_earlier_checkpoints
-
-    other, run = _copy_run(finished, tmp_path / "other"), _copy_run(finished, tmp_path / "run")
-    metrics = (run / "metrics.jsonl").read_text()
-    resume = str(other / "checkpoints" / "step-00000005")
-    line = _one_line_error(
-        _train(run, shared_data, "train.max_steps=12", extra=("--resume", resume)), "holds its own run's checkpoints"
-    )
-    assert "step-00000010" in line and resume in line and "--resume auto" in line, line
-    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000010", "step-00000005"]
-    assert (run / "metrics.jsonl").read_text() == metrics
-    _refuse_earlier_checkpoints(run, str(run / "checkpoints" / "step-00000005"))  # its own: accepted
-    _refuse_earlier_checkpoints(tmp_path / "empty", resume)  # an empty run directory: accepted
+def test_a_checkpoint_given_starts_a_run_and_a_restart_continues_the_runs_own(finished, shared_data, tmp_path):
+    """`--resume PATH` starts a run; the same command again (a requeued SLURM job) continues that run's own newest
+    checkpoint, saying so, as fairseq's --restore-file does. It resumed PATH again before: the second start
+    trained from step 5 into a directory holding step 6, mixing the two (average took steps of both).
+    A model file as --resume is refused before any process starts (a run directory was left with a lock)."""
+    resume = str(_copy_run(finished, tmp_path / "other") / "checkpoints" / "step-00000005")
+    run = tmp_path / "run"
+    first = _train(run, shared_data, "train.max_steps=6", extra=("--resume", resume))
+    assert first.returncode == 0 and f"resumed from {resume} (step 5" in first.stdout, first.stdout[-3000:]
+    again = _train(run, shared_data, "train.max_steps=7", extra=("--resume", resume))
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [line for line in again.stdout.splitlines() if f"--resume {resume} is not used" in line]
+    assert len(said) == 1 and "own checkpoints (newest step-00000006), which it continues" in said[0], again.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-00000006'} (step 6" in again.stdout, again.stdout[-3000:]
+    assert [p.name for p in list_checkpoints(run / "checkpoints")] == ["step-00000007", "step-00000006"]
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"a model file")
+    line = _one_line_error(_train(tmp_path / "new", shared_data, extra=("--resume", str(model))), "holds no training")
+    assert "is a model file or export" in line and not (tmp_path / "new").exists(), line
 
 
 def test_resuming_on_data_of_another_tokenizer_is_refused_unless_asked_for(finished, tmp_path):

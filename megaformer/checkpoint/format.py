@@ -198,7 +198,7 @@ _WANTED = "a training checkpoint: a run directory, its checkpoints folder or a s
 
 def refuse_model_file(path: Path) -> None:
     """A model file or an export (no training state) where a training checkpoint is wanted is refused, saying what
-    reads it; from names alone, so that ``train --resume`` refuses it before any process starts."""
+    reads it (``train --resume`` refuses one before any process starts: commands/train.py)."""
     if (path.is_file() and path.name not in POINTERS) or (path / "megaformer-export.json").is_file():
         kind = "an export" if path.is_dir() else "a file"
         raise CheckpointError(

@@ -66,38 +66,51 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
-    if args.resume != "auto":
-        _refuse_earlier_checkpoints(Path(run_dir), args.resume)
     info = detect()
+    resume = _resume_in(Path(run_dir), args.resume, say=print if info.rank == 0 else lambda line: None)
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
         raise ConfigError(
             f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
         )
     check_launch(cfg, world)  # fail before any process starts
-    return launch(cfg, run_dir, world, args.resume, args.other_tokenizer, under_launcher=info.source != "single")
+    return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
 
 
-def _refuse_earlier_checkpoints(run_dir: Path, resume: str) -> None:
-    """``--resume none``, or another run's checkpoint, into a run directory that holds checkpoints is refused:
-    the new run's saves would mix with the earlier run's (pruning would delete the new ones first,
-    ``--resume auto``, ``average`` and ``translate`` would take the old newest) and its metrics would
-    replace theirs. A checkpoint of the run directory itself (going back to an earlier step) is its own run.
+def _resume_in(run_dir: Path, resume: str, say) -> str:
+    """The resume policy for ``run_dir``, as fairseq's ``--restore-file``: a checkpoint given (``--resume PATH``)
+    starts the run only while the run directory holds none of its own; once the run has saved, a restart (a
+    requeued SLURM job runs the same command) continues the run's own newest (``auto``), said in one line.
+
+    ``--resume none`` into a run directory that holds checkpoints is refused: the new run's saves would mix
+    with the earlier run's (pruning would delete the new ones first, ``--resume auto``, ``average`` and
+    ``translate`` would take the old newest) and its metrics would replace theirs. A model file or an export
+    as ``--resume`` is refused: it holds no training state.
 
     Read with pathlib alone: the launching process imports no torch (launcher.local).
     """
+    if resume == "auto":
+        return resume
+    given = Path(resume)
+    if (given.is_file() and given.name not in ("latest", "best")) or (given / "megaformer-export.json").is_file():
+        raise ConfigError(
+            f"--resume {resume}: is a model file or export, which holds no training state: resume from a step "
+            f"directory (RUN/checkpoints/step-N) or a run directory; translate, evaluate and export read model files"
+        )
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
     if not steps:
-        return
+        return resume
     if resume == "none":
         raise ConfigError(
             f"--run-dir {run_dir}: holds an earlier run's checkpoints (newest {steps[-1]}), which --resume none "
             f"would mix with this run's: continue it (--resume auto), train into another --run-dir, or delete "
             f"{run_dir / 'checkpoints'} first"
         )
-    if not Path(resume).resolve().is_relative_to(run_dir.resolve()):
-        raise ConfigError(
-            f"--run-dir {run_dir}: holds its own run's checkpoints (newest {steps[-1]}), which a run resumed from "
-            f"{resume} would mix with its saves: resume into another (or an empty) --run-dir, or continue this "
-            f"one with --resume auto"
-        )
+    if given.resolve().is_relative_to(run_dir.resolve()):  # a step back in its own run
+        return resume
+    say(
+        f"train: --resume {resume} is not used: {run_dir} holds this run's own checkpoints (newest {steps[-1]}), "
+        f"which it continues (a restarted or requeued job goes on where it stopped); to start from {resume}, "
+        f"train into another --run-dir"
+    )
+    return "auto"

@@ -124,13 +124,15 @@ class Peak:
 
     def describe(self) -> str:
         n = self.ranks
+        if not math.isfinite(self.flops):
+            return "MFU not shown: no peak for this device in megaformer's table: set train.peak_tflops"
         return f"MFU against {self.flops / 1e12:.3g} TFLOP/s, the peak of {n} rank{'s' * (n > 1)} ({self.source})"
 
     def mfu(self, flops_per_s: float, log: Callable[[str], None]) -> float | None:
         """``flops_per_s`` as a share of the peak; None (said once through ``log``) beyond it."""
         share = flops_per_s / self.flops
-        if share <= 1.0:
-            return share
+        if share <= 1.0 or not math.isfinite(share):
+            return share if share <= 1.0 else None  # no peak known: said at start-up
         if not self.doubted:
             self.doubted = True
             why = "" if self.source == "train.peak_tflops" else " (timed while other work held the cores?)"

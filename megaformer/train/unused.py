@@ -19,8 +19,13 @@ def settings_without_effect(cfg: Config, data_vocab_size: int) -> list[str]:
         idle.append(
             f"train.warmup_fraction={t.warmup_fraction:g} (it fits the warm-up to train.max_minutes, which is 0)"
         )
-    if t.zero_overlap_comm and t.zero_stage < 2:
-        idle.append(f"train.zero_overlap_comm=true (ZeRO-2's gradient reduction; train.zero_stage={t.zero_stage})")
+    if t.zero_overlap_comm and (t.zero_stage == 0 or (t.zero_stage == 1 and t.precision == "bf16")):
+        why = (
+            "no ZeRO optimizer at train.zero_stage=0"
+            if t.zero_stage == 0
+            else "bf16 at ZeRO-1 runs DeepSpeed's BF16 optimizer"
+        )
+        idle.append(f"train.zero_overlap_comm=true ({why}, which reduces gradients without it)")
     if t.profile_steps != TrainConfig.profile_steps and not t.profile_from:
         idle.append(f"train.profile_steps={t.profile_steps} (no profile: train.profile_from=0)")
     if cfg.data.vocab_size not in (DataConfig.vocab_size, data_vocab_size):  # the default is for data-less commands
