@@ -193,7 +193,7 @@ def refuse_output_over_inputs(
 def refuse_checkpoint_names(option: str, out: str | Path) -> None:
     """ConfigError for an output named like a step directory or a pointer (``latest``, ``best``) beside a run's
     ``step-*`` folders: training's saves and pruning own those names (an export named ``step-00000300`` there was
-    replaced by the run's step 300, an average named ``latest`` redirected every later resume)."""
+    replaced by the run's step 300)."""
     from megaformer.checkpoint.format import POINTERS, STEP_DIR
 
     path = _resolved(out)

@@ -136,7 +136,9 @@ DOMAIN = [
     ),
     (("parity", "--config", "{tiny}", "--pp", "2", "--sequence-parallel"), "--sequence-parallel splits the sequence"),
     # a FileNotFoundError from the cleaning step before; options --spm leaves unused were ignored
-    (("prepare", "--synthetic", "10", "--src", "xx", "--tgt", "xx", "--out", "{missing}"), "--src and --tgt are both"),
+    (("prepare", "--train", "{file}", "--src", "xx", "--tgt", "xx", "--out", "{missing}"), "--src and --tgt are both"),
+    (("prepare", "--train", "{file}", "--src", "de", "--out", "{missing}"), "--src and --tgt are both 'de'"),
+    (("prepare", "--synthetic", "10", "--src", "de", "--out", "{missing}"), "--synthetic writes its corpus in its own"),
     (
         ("prepare", "--train", "{file}", "--spm", "{file}", "--vocab-size", "500", "--out", "{missing}"),
         "--vocab-size shapes the sentencepiece model prepare trains, and --spm",
@@ -355,14 +357,13 @@ def test_average_and_export_keep_off_what_a_run_reads_and_what_is_not_theirs(tex
     shard = step / "model-tp00-of-01.pt"
     assert_one_line_error(*run("average", "--ckpt", copy, "--out", shard)[::2], "is inside the input")
     assert_one_line_error(*run("average", "--ckpt", copy, "--out", tmp_path / "a.safetensors")[::2], "name it NAME.pt")
-    latest = copy / "checkpoints" / "latest.pt"  # a pointer's name with .pt is the user's own name: the .pt rule
     latest_out = copy / "checkpoints" / "latest"
     assert_one_line_error(*run("average", "--run-dir", copy, "--last", "1", "--out", latest_out)[::2], "NAME.pt")
     assert_one_line_error(
         *run("export", "--ckpt", copy, "--format", "hf", "--out", copy / "checkpoints" / "step-00000900")[::2],
         "holds a run's checkpoints, and 'step-00000900' is a name training",
     )
-    assert tree_digest(copy) == before and not latest.exists()
+    assert tree_digest(copy) == before and (copy / "checkpoints" / "latest").read_text().strip() == "step-00000800"
     notes = tmp_path / "notes.pt"
     notes.write_text("my notes\n")
     assert_one_line_error(*run("average", "--ckpt", copy, "--out", notes)[::2], "already exists")

@@ -56,11 +56,6 @@ def cluster(tmp_path_factory):
     if up.returncode != 0:
         _unavailable((up.stderr.strip().splitlines() or ["slurm/testcluster.sh up failed"])[-1])
     work = tmp_path_factory.mktemp("slurm")
-    # A private copy of DeepSpeed's built ops: a rank killed while it holds the build lock
-    # (2d kills ranks, `down` kills what is left) must not leave the shared cache locked.
-    shared = Path(os.environ.get("TORCH_EXTENSIONS_DIR", ROOT / ".cache" / "torch_extensions"))
-    if shared.is_dir():
-        shutil.copytree(shared, work / "torch_extensions", ignore=shutil.ignore_patterns("lock"))
     corpus = work / "corpus"
     prep = [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "300", "--out", str(corpus), "--quiet"]
     subprocess.run(prep, check=True, capture_output=True, cwd=ROOT, timeout=300)
@@ -86,7 +81,6 @@ class Cluster:
             PYTHONPATH=f"{FAKES}{os.pathsep}{ROOT}",
             MEGAFORMER_TEST_FAULT=f"slow:step={SLOW_MS}",
             PYTHON=sys.executable,
-            TORCH_EXTENSIONS_DIR=str(work / "torch_extensions"),
         )
 
     def slurm(self, *args: str, check: bool = True) -> str:

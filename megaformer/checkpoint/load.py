@@ -114,9 +114,12 @@ def check_same_model(step_dir: Path, meta: dict, model_cfg: object) -> None:
         )
 
 
-# Settings whose change the resume line does not list: the architecture's (refused by check_same_model)
-# and the layout's sizes (said beside the resume).
-NOT_LISTED = frozenset({("parallel", "tp"), ("parallel", "dp"), ("parallel", "pp")})
+# Settings whose change the resume line does not list: the architecture's (refused by check_same_model),
+# the layout's sizes (said beside the resume) and the data's direction (checked against the data at launch;
+# checkpoints of before it was taken from the data hold the old default, en -> de, whatever the data was).
+NOT_LISTED = frozenset(
+    {("parallel", "tp"), ("parallel", "dp"), ("parallel", "pp"), ("data", "src_lang"), ("data", "tgt_lang")}
+)
 
 
 def changed_since(saved: dict | None, cfg: object) -> str:

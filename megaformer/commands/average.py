@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 from megaformer.checkpoint import (
+    POINTERS,
     STEP_DIR,
     average_checkpoints,
     check_complete,
-    check_step_name,
     last_checkpoints,
     resolve_checkpoint,
     save_consolidated,
@@ -90,9 +90,11 @@ def _check_out(out: Path, paths: list[Path], force: bool) -> None:
             f"then writes safetensors, hf or ct2)"
         )
     inputs = []
-    for p in paths:  # a run directory may hold the average beside its checkpoints, not in the step it reads
-        is_run = Path(p).is_dir() and not STEP_DIR.match(Path(p).name)
-        inputs.append(("input", resolve_checkpoint(Path(p), log=lambda m: None) if is_run else p))
+    for p in map(Path, paths):  # a run directory may hold the average beside its checkpoints, not in the step it reads
+        export = (p / "megaformer-export.json").is_file()
+        pointer = p.is_file() and p.name in POINTERS
+        run = pointer or (p.is_dir() and not STEP_DIR.match(p.name) and not export)
+        inputs.append(("input", resolve_checkpoint(p, log=lambda m: None) if run else p))
     refuse_output_over_inputs("--out", out, inputs, "average")
     refuse_to_replace("--out", out, force, made_by_export, "no megaformer model")
 
@@ -112,7 +114,6 @@ def main(args: argparse.Namespace) -> int:
         paths = [Path(p) for p in args.ckpt]
     _check_out(Path(args.out), paths, args.force)
     model = average_checkpoints(paths, load=lambda p: open_model(p, "average")[0])
-    check_step_name(Path(args.out), model.meta.get("step"))  # not a step-N name that says another step
     try:
         save_consolidated(args.out, model)
     except OSError as err:

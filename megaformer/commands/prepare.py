@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) -> None:
-    data.add_argument("--src", default="en", help="source language suffix (default: %(default)s)")
-    data.add_argument("--tgt", default="de", help="target language suffix (default: %(default)s)")
+    data.add_argument("--src", help="source language suffix (default: en; --synthetic writes its own)")
+    data.add_argument("--tgt", help="target language suffix (default: de; --synthetic writes its own)")
     data.add_argument(
         "--train",
         action="append",
@@ -188,8 +188,11 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
             f"--bpe-copies {args.bpe_copies} without --bpe-dropout would store one segmentation "
             f"{args.bpe_copies} times: give --bpe-dropout P (0.1 is the usual value) or leave --bpe-copies out"
         )
-    if args.src == args.tgt:
-        raise DataError(f"--src and --tgt are both {args.src!r}: give the two languages' file suffixes")
+    if args.synthetic is not None and (args.src or args.tgt):
+        raise DataError("--synthetic writes its corpus in its own language suffixes: leave --src and --tgt out")
+    src, tgt = args.src or "en", args.tgt or "de"
+    if src == tgt:
+        raise DataError(f"--src and --tgt are both {src!r}: give the two languages' file suffixes")
     if args.spm is not None:  # the model's own settings: these options would train another one
         given = [o for o, v in (("--vocab-size", args.vocab_size), ("--spm-sentences", args.spm_sentences),
                                 ("--character-coverage", args.character_coverage)) if v is not None]  # fmt: skip
@@ -214,8 +217,8 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
         test=args.test,
         synthetic=args.synthetic,
         synthetic_shape=args.synthetic_shape,
-        src=args.src,
-        tgt=args.tgt,
+        src=src,
+        tgt=tgt,
         vocab_size=vocab_size,
         spm=args.spm,
         spm_sentences=PrepareSettings.spm_sentences if args.spm_sentences is None else args.spm_sentences,

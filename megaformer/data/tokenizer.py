@@ -70,8 +70,9 @@ def train_bpe(
         too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)\.", message)
         if too_low:  # sentencepiece's own advice names its own flag, not megaformer's option
             reason = (
-                f"the text has {too_low.group(2)} characters to keep (--character-coverage {character_coverage}): "
-                f"raise {setting} to at least {too_low.group(2)}, or lower --character-coverage"
+                f"{too_low.group(2)} pieces are needed for the text's characters at --character-coverage "
+                f"{character_coverage} and the special pieces: raise {setting} to at least {too_low.group(2)}, or "
+                f"lower --character-coverage"
             )
         raise DataError(f"sentencepiece cannot train on {described_as} with {setting} {vocab_size}: {reason}") from None
     model_path.write_bytes(model.getvalue())

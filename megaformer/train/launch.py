@@ -65,10 +65,11 @@ def check_direction(cfg: Config, manifest: dict, where: str) -> None:
     data = (manifest.get("src_lang"), manifest.get("tgt_lang"))
     for key, given, actual in zip(("src_lang", "tgt_lang"), (cfg.data.src_lang, cfg.data.tgt_lang), data, strict=True):
         if given and given != actual:
+            wanted = (cfg.data.src_lang or data[0], cfg.data.tgt_lang or data[1])
+            other = f", or prepare {wanted[0]} -> {wanted[1]} data" if wanted[0] != wanted[1] else ""
             raise ConfigError(
                 f"data.{key}={given}: the data at {where} is {data[0]} -> {data[1]} (its manifest.json): set "
-                f"data.src_lang={data[0]} data.tgt_lang={data[1]} (or leave them empty), or prepare "
-                f"{cfg.data.src_lang or data[0]} -> {cfg.data.tgt_lang or data[1]} data"
+                f"data.src_lang={data[0]} data.tgt_lang={data[1]} (or leave them empty){other}"
             )
 
 
