@@ -121,7 +121,7 @@ test: install lint
 # The inner loop: lint and the tests that need no training run, cluster or compiler (under 2 minutes on 2 cores).
 CHECK_TESTS := test_house test_config test_layout test_batching test_rng test_model test_data_corpus \
 	test_data_synthetic test_feed test_state_round_trip test_cpu_backend test_device_path test_decode_search test_cli_inputs \
-	test_protect_inputs test_checkpoint
+	test_cli_outputs test_protect_inputs test_checkpoint
 check: install lint
 	$(PY) -m pytest -q -x $(foreach t,$(CHECK_TESTS),tests/$(t).py)
 

@@ -106,7 +106,7 @@ DESTROY = [
     # 1. an export over the input checkpoint's own shard, or anywhere inside (or above) what is read
     (("export", "--ckpt", "{step}", "--force", "--out", "{step}/model-tp00-of-01.pt"), "is inside the input", {}),
     (("export", "--ckpt", "{run}", "--out", "{step}/model.safetensors"), "is inside the input", {}),
-    (("export", "--ckpt", "{run}", "--force", "--out", "{latest}"), "a file that this command did not write", {}),
+    (("export", "--ckpt", "{run}", "--force", "--out", "{latest}"), "'latest' is a name training's saves", {}),
     (("export", "--ckpt", "{step}", "--format", "hf", "--force", "--out", "{run}"), "holds the input", {}),
     # 2. translations or hypotheses over the source, the references or the model
     (TRANSLATE + ("--output", "{src}"), "it is the --input file", {}),
