@@ -142,7 +142,7 @@ DESTROY = [
         "says step 99999999",
         {},
     ),
-    (("average", "--ckpt", "{step}", "--out", "{run}/checkpoints/step-00000099"), "its name says step 99", {}),
+    (("average", "--ckpt", "{step}", "--out", "{run}/checkpoints/step-00000099"), "name it NAME.pt", {}),
     # 6. an export folder that cannot be written
     (EXPORT + ("--out", "."), "is the working directory", {"cwd": "sub"}),
     (EXPORT + ("--force", "--out", "."), "is the working directory", {"cwd": "sub"}),
