@@ -306,3 +306,22 @@ def test_evaluate_prints_cased_and_lowercased_bleu(text_run, run):
     assert "case:lc" in result["signature_lc"] and "case:mixed" in result["signature"]
     assert result["bleu_lc"] >= result["bleu"] - 1e-9  # lowercasing can only add matches
     assert result["step"] == 2 and result["checkpoint"] == str(text_run["model"])
+
+
+def test_output_closed_early_is_not_an_error():
+    """`megaformer info ... | head`: the closed pipe is status 141 without a word, not a file-system error
+    (BrokenPipeError is an OSError: the one-line OSError handler caught it first and re-raised it)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import errno, sys\n"
+        "import megaformer.commands.info as info\n"
+        "from megaformer import cli\n"
+        "def closed(args):\n"
+        "    raise BrokenPipeError(errno.EPIPE, 'Broken pipe')\n"
+        "info.main = closed\n"
+        'sys.stderr.write(f\'status {cli.main(["info", "--config", "configs/tiny.yaml"])}\')\n'
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "status 141", proc.stderr
