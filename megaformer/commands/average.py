@@ -22,6 +22,7 @@ from megaformer.checkpoint import (
     STEP_DIR,
     average_checkpoints,
     check_complete,
+    checkpoint_root,
     last_checkpoints,
     resolve_checkpoint,
     save_consolidated,
@@ -83,18 +84,19 @@ def _run_paths(run_dir: str, last: int | None) -> list[Path]:
 
 def _check_out(out: Path, paths: list[Path], force: bool) -> None:
     """Refuse an output that is not NAME.pt (so never a step-N or pointer name), would replace or lie in what
-    is read (a run directory's newest step among it), or exists and is not an earlier model file (--force)."""
+    is read (any step of a run directory or pointer given: found by name, the shards are read once, by the
+    average), or exists and is not an earlier model file (--force)."""
     if out.suffix != ".pt":
         raise ConfigError(
             f"--out {out}: average writes one megaformer model file: name it NAME.pt (`megaformer export` "
             f"then writes safetensors, hf or ct2)"
         )
     inputs = []
-    for p in map(Path, paths):  # a run directory may hold the average beside its checkpoints, not in the step it reads
-        export = (p / "megaformer-export.json").is_file()
+    for p in map(Path, paths):  # a run directory may hold the average beside its checkpoints, not in its steps
         pointer = p.is_file() and p.name in POINTERS
-        run = pointer or (p.is_dir() and not STEP_DIR.match(p.name) and not export)
-        inputs.append(("input", resolve_checkpoint(p, log=lambda m: None) if run else p))
+        root = p.parent if pointer else checkpoint_root(p) if p.is_dir() and not STEP_DIR.match(p.name) else None
+        steps = sorted(s for s in root.glob("step-*") if s.is_dir()) if root is not None else []
+        inputs += [("input", s) for s in steps] or [("input", p)]
     refuse_output_over_inputs("--out", out, inputs, "average")
     refuse_to_replace("--out", out, force, made_by_export, "no megaformer model")
 

@@ -131,8 +131,10 @@ class Peak:
     def mfu(self, flops_per_s: float, log: Callable[[str], None]) -> float | None:
         """``flops_per_s`` as a share of the peak; None (said once through ``log``) beyond it."""
         share = flops_per_s / self.flops
-        if share <= 1.0 or not math.isfinite(share):
-            return share if share <= 1.0 else None  # no peak known: said at start-up
+        if not math.isfinite(share):  # no peak known: said at start-up
+            return None
+        if share <= 1.0:
+            return share
         if not self.doubted:
             self.doubted = True
             why = "" if self.source == "train.peak_tflops" else " (timed while other work held the cores?)"
