@@ -100,6 +100,16 @@ class _Parent:
         os.environ.update(self.environ)
 
 
+def _interrupt_once(signum: int, frame: object, fired: list[bool] = []) -> None:  # noqa: B006 (the once flag)
+    """Ctrl-C reaches a rank twice (the terminal's, to the process group, and the launcher's forwarded copy): the
+    first is a KeyboardInterrupt, later ones do nothing. A second one raised while the rank reported the first
+    printed a traceback. Re-entered before the flag is set, the inner call's exception unwinds the outer one: one."""
+    if fired:
+        return
+    fired.append(True)
+    raise KeyboardInterrupt
+
+
 def _entry(
     fn: Callable[..., int | None],
     rank: int,
@@ -110,6 +120,7 @@ def _entry(
     errors: Any,
     parent: _Parent,
 ) -> None:
+    signal.signal(signal.SIGINT, _interrupt_once)
     parent.adopt()
     # The rank's own processes (DataLoader workers) start fresh, as its children: not from a
     # fork server of its own, which would outlive it (torch's workers watch their parent).
@@ -139,9 +150,6 @@ def _entry(
             1,
             (traceback.format_exc().rstrip(), f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"),
         )
-    # Done: a Ctrl-C now (the terminal's and the launcher's forwarded copy both reach a decoding rank)
-    # must not break the report below into a traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if report is not None:
         errors.put((time.time(), rank, *report))
     errors.close()
