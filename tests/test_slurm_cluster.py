@@ -36,6 +36,7 @@ COMMON += ["--set", "train.eval_interval=0", "--set", "data.num_workers=1", "--s
 COMMON += ["--set", "train.peak_tflops=0.1"]  # MFU's denominator given, not timed by every rank (train_helpers)
 # Namespace names of this session's cluster: its own, so that two sessions cannot take each other's down.
 PREFIX = f"mft{os.getpid() % 100000}"
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY"}
 
 
 def _unavailable(reason: str):
@@ -118,14 +119,23 @@ class Cluster:
         """Wait until ``job`` has been requeued once, then let it start at once: SLURM holds a
         requeued job back for about two minutes (an operator can do the same). It is released only
         once the nodes have finished the previous attempt's step: a batch script launched on a node
-        still completing the old one fails before it starts."""
+        still completing the old one fails before it starts. Nor within the second SLURM revoked
+        the previous attempt's credential: slurmd refuses a launch credential no newer than the
+        revocation (``ctime <= revoked``), the batch script never runs and the job ends FAILED
+        (exit 1, run time 0). The requeue sets SubmitTime after the revocation; SLURM's own hold
+        exists for this, so the release waits until two seconds past it. A job that ended instead
+        fails the test at once, with its output."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job)
             if info.get("Restarts") == "1" and info.get("JobState") == "RUNNING":
                 return
+            if info.get("JobState") in ENDED:
+                output = Path(info["StdOut"]).read_text() if info.get("StdOut") else ""
+                raise AssertionError(f"job {job} ended instead of restarting: {info}\n{output[-4000:]}")
             pending = info.get("Restarts") == "1" and info.get("JobState") == "PENDING"
-            if pending and self.nodes_settled():  # until SLURM takes it
+            requeued_at = time.mktime(time.strptime(info.get("SubmitTime", ""), "%Y-%m-%dT%H:%M:%S")) if pending else 0
+            if pending and time.time() >= requeued_at + 2 and self.nodes_settled():  # until SLURM takes it
                 self.slurm("scontrol", "update", f"JobId={job}", *update, "StartTime=now", check=False)
             assert time.monotonic() < deadline, f"job {job} not requeued and restarted after {timeout} s: {info}"
             time.sleep(1)
@@ -164,7 +174,7 @@ def saved_steps(run: Path) -> list[int]:
 def reference(cluster):
     """2a, the uninterrupted job: TP=2 in each node, DP=2 across them; its loss curve is the reference."""
     job, run, out = cluster.submit("reference")
-    info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=240)
+    info = cluster.wait_state(job, ENDED, timeout=240)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
     return run, log
@@ -186,7 +196,7 @@ def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, referenc
     # The second attempt would be warned again 10 s in; a longer limit lets it finish (the job
     # requeued itself once).
     cluster.restart_now(job, 240, "TimeLimit=10")
-    info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, timeout=300)
+    info = cluster.wait_state(job, ENDED, timeout=300)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert log.count("(requeued)") == 1 and "(restart 1)" in log, log[-3000:]
