@@ -135,6 +135,8 @@ DESTROY = [
     (EXPORT + ("--format", "pt", "--out", "{root}/x.safetensors"), "--format pt writes one megaformer model file", {}),
     (EXPORT + ("--format", "safetensors", "--out", "{root}/x.pt"), "not a .pt file", {}),
     (EXPORT + ("--format", "hf", "--out", "{root}/x.safetensors"), "writes a directory", {}),
+    (EXPORT + ("--out", "{root}/model.txt"), "a .txt name says another kind of file", {}),
+    (EXPORT + ("--format", "ct2", "--out", "{root}/model.pth"), "writes a directory", {}),
     (EXPORT + ("--force", "--out", "{own}"), "a folder that this command did not write", {}),
     # 5. a step directory name that says another step than the one written
     (

@@ -3,7 +3,8 @@
     megaformer export --ckpt RUN_OR_STEP_OR_MODEL --out PATH [--format safetensors|hf|ct2|pt] [--force]
 
 * ``safetensors`` (default): ``PATH.safetensors`` is one self-contained file; any other
-  PATH is a directory (weights, config, tokenizer, manifest);
+  PATH is a directory (weights, config, tokenizer, manifest), unless its name says another
+  kind of file (``model.txt``, ``model.pth``: refused as a typo);
 * ``hf``: a directory that ``MarianMTModel.from_pretrained`` and ``MarianTokenizer.from_pretrained`` load;
 * ``ct2``: a CTranslate2 model directory;
 * ``pt``: megaformer's consolidated torch file (what ``average`` writes); chosen by default

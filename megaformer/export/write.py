@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 FORMATS = ("safetensors", "hf", "ct2", "pt")
 MODEL_SUFFIXES = (".safetensors", ".pt", ".bin")  # names of one-file models, never of a directory
+# Names that say one file of another kind: a directory export named so (`--out model.txt`) is a typo, not a wish.
+FILE_SUFFIXES = (".pth", ".ckpt", ".onnx", ".h5", ".pkl", ".npz", ".json", ".yaml", ".yml", ".txt", ".gz", ".zip")
+FILE_SUFFIXES += (".tar", ".tgz", ".model", ".log")
 
 
 def output_kind(out: Path, fmt: str | None) -> tuple[str, bool]:
@@ -31,13 +34,18 @@ def output_kind(out: Path, fmt: str | None) -> tuple[str, bool]:
             raise ExportError(f"--out {out}: --format pt writes one megaformer model file: name it NAME.pt")
         return fmt, False
     if fmt == "safetensors":
-        if out.suffix in (".pt", ".bin"):
+        if out.suffix in (".pt", ".bin", ".pth", ".ckpt"):
             raise ExportError(
                 f"--out {out}: --format safetensors writes NAME.safetensors or a directory, not a {out.suffix} "
                 f"file: rename it, or use --format pt for NAME.pt"
             )
+        if out.suffix.lower() in FILE_SUFFIXES:
+            raise ExportError(
+                f"--out {out}: a safetensors export is one NAME.safetensors file or a directory, and a "
+                f"{out.suffix} name says another kind of file: rename it"
+            )
         return fmt, out.suffix != ".safetensors"
-    if out.suffix in MODEL_SUFFIXES:
+    if out.suffix in MODEL_SUFFIXES or out.suffix.lower() in FILE_SUFFIXES:
         raise ExportError(f"--out {out}: --format {fmt} writes a directory; give a directory name")
     return fmt, True
 
