@@ -350,6 +350,21 @@ def test_a_resume_with_nothing_left_says_which_limit_and_option(finished, shared
     assert [p.name for p in list_checkpoints(run / "checkpoints")][0] == "step-00000010"
 
 
+def test_a_resume_with_nothing_left_does_not_validate_again(shared_data, tmp_path):
+    """A finished run validated its last step before saving it: resumed, it says so and validates nothing."""
+    run = tmp_path / "run"
+    sets = ("train.max_steps=6", "train.eval_interval=4")
+    first = _train(run, shared_data, *sets)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [line.split()[1] for line in first.stdout.splitlines() if line.startswith("valid ")] == ["4", "6"]
+    again = _train(run, shared_data, *sets)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "nothing to train" in again.stdout
+    assert not [line for line in again.stdout.splitlines() if line.startswith("valid ")], again.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records if r.get("kind") == "valid"] == [4, 6]
+
+
 @pytest.mark.parametrize(
     "changed, named",
     [

@@ -104,6 +104,7 @@ class Trainer:
         self.budget = BudgetPlan(t.max_minutes, t.max_steps, t.warmup_fraction, t.warmup_steps)
         self._warmup_said: int | None = None  # the fitted warm-up last logged; None again once its end is
         self.best_bleu: float | None = None  # the best validation BLEU so far
+        self._validated = -1  # the last step validated (a resume with nothing left does not repeat it)
         self.validation = Validation(cfg, ctx, self.model, self.pipeline, self._stream, self.has_valid, self.log)
         if saved:
             self._load(self.start_dir)
@@ -181,14 +182,16 @@ class Trainer:
     # ---- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The trainer's own state: target tokens, training seconds and the best validation BLEU so far
-        (None before the first; the step and the lr schedule are the engine's)."""
-        return {"tokens": self.tokens, "train_seconds": self.train_seconds, "best_bleu": self.best_bleu}
+        """The trainer's own state: target tokens, training seconds, the best validation BLEU so far
+        (None before the first) and the last step validated (the step and the lr schedule are the engine's)."""
+        t, seconds, best, validated = self.tokens, self.train_seconds, self.best_bleu, self._validated
+        return {"tokens": t, "train_seconds": seconds, "best_bleu": best, "validated": validated}
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens, self.train_seconds = int(state["tokens"]), float(state["train_seconds"])
         best = state.get("best_bleu")  # absent in checkpoints written before BLEU was tracked
         self.best_bleu = None if best is None else float(best)
+        self._validated = int(state.get("validated", -1))  # absent before it was kept
         if state.get("cooldown") is not None:  # checkpoints of before the cool-down moved to the engine's state
             self.engine.set_cooldown(cooldown_of(state["cooldown"]))
 
@@ -306,7 +309,6 @@ class Trainer:
         watch = SignalWatch()
         start_step = self.engine.global_steps
         self._last_save = time.monotonic()
-        self._validated = -1  # the last step validated
         window = Window()
         profiler = StepProfiler(
             t.profile_from, t.profile_steps, self.run_dir / "profile", self.ctx.rank, self.ctx.device, self.log
@@ -347,7 +349,7 @@ class Trainer:
                     self.log(f"train: the cool-down ended at step {self.engine.global_steps}")
                     break
             step = self.engine.global_steps
-            # Only a run resumed at its last step gets here unvalidated (its last save was on a signal).
+            # Only a run resumed at its last step, saved there on a signal, gets here unvalidated.
             if t.eval_interval and step % t.eval_interval and self._validated != step and self._validate(logger, step):
                 self.save("best", best=True)
         finally:
