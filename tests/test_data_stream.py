@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,7 @@ from megaformer.errors import DataError
 
 N_TRAIN = 3000
 # Small batches and windows so that an epoch has many batches, windows and shard runs.
+ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = dict(max_tokens=256, sort_buffer=600, shuffle_buffer=100, seed=7)
 
 
@@ -127,6 +131,8 @@ def test_batches_do_not_depend_on_worker_count(prepared: Path) -> None:
 def test_workers_persist_across_epochs_and_stop_with_the_iterator(prepared: Path) -> None:
     """One set of loader processes reads every epoch; closing the iterator stops them and the read-ahead thread."""
     me = psutil.Process()
+    # Spawned workers start Python's resource tracker (once per process; it stays): not a worker.
+    resource_tracker.ensure_running()
     before = {p.pid for p in me.children(recursive=True)}
     stream = TokenBatchStream(prepared, "train", dp_rank=0, dp_size=2, num_workers=2, **OPTIONS)
     per_epoch = stream.batches_per_epoch()
@@ -144,6 +150,48 @@ def test_workers_persist_across_epochs_and_stop_with_the_iterator(prepared: Path
         time.sleep(0.1)
     assert not {p.pid for p in me.children(recursive=True) if p.is_running()} & seen[0]
     assert not [t for t in threading.enumerate() if t.name == "megaformer-read"]
+
+
+# A rank that reads with two workers, names them and waits to be killed.
+_RANK_WITH_WORKERS = """
+import sys, time, psutil
+from multiprocessing import resource_tracker
+from megaformer.data.stream import TokenBatchStream
+resource_tracker.ensure_running()  # a child of its own, not a worker
+others = {p.pid for p in psutil.Process().children()}
+stream = TokenBatchStream(sys.argv[1], "train", dp_rank=0, dp_size=1, num_workers=2, repeat=True, max_tokens=256)
+batches, workers = iter(stream), set()
+while len(workers) < 2:  # the read-ahead starts them
+    next(batches)
+    workers = {p.pid for p in psutil.Process().children()} - others
+print(*workers, flush=True)
+time.sleep(300)
+"""
+
+
+def test_workers_of_a_killed_rank_exit(prepared: Path) -> None:
+    """kill -9 of a rank (or the OOM killer): its loader workers exit instead of living on as orphans."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _RANK_WITH_WORKERS, str(prepared)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        workers = [int(pid) for pid in rank.stdout.readline().split()]
+        assert len(workers) == 2, workers
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 20
+
+    def alive() -> list[int]:
+        return [p for p in workers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = alive()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their rank"
 
 
 def test_a_split_smaller_than_a_window_is_read_at_most_two_epochs_and_a_shuffle_ahead(prepared, monkeypatch):

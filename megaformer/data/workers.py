@@ -84,7 +84,10 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
     loop) and take its rank down instead of letting the rank save (and requeue). A SIGTERM from
     the worker's own rank is still obeyed: that is how the rank's DataLoader and multiprocessing
     stop workers at exit. Python handlers cannot see a signal's sender, so SIGTERM is blocked and
-    a thread reads it with ``sigwaitinfo``, exiting only when the sender is the parent.
+    a thread reads it with ``sigtimedwait``, exiting only when the sender is the parent. A worker
+    whose rank is gone (``kill -9``, the OOM killer) exits within a second: its loop would stop,
+    but its queue's writer stays blocked on a pipe nobody reads, and the orphan would hold its
+    memory, and any output pipe, for good.
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -93,8 +96,8 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
 
     def obey_parent_only() -> None:
         while True:
-            info = signal.sigwaitinfo({signal.SIGTERM})
-            if info.si_pid == parent:
+            info = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+            if (info is not None and info.si_pid == parent) or os.getppid() != parent:
                 os._exit(0)
 
     threading.Thread(target=obey_parent_only, name="sigterm-from-parent", daemon=True).start()
