@@ -307,6 +307,8 @@ def test_inspect_notices_a_deleted_shard_without_verify(run, tmp_path):
     code, _, err = run("prepare", "--synthetic", "300", "--vocab-size", "200", "--shard-size", "100", "--out", data)
     assert code == 0, err
     assert run("inspect", data)[0] == 0
+    # batches that cannot hold a sample: refused as training refuses them (it reported 20,000 batches, 0 % padding)
+    assert_one_line_error(*run("inspect", data, "--max-tokens", "3")[::2], "--max-tokens 3 cannot hold the longest")
     shard = sorted(data.rglob("*.tar"))[0]
     shard.unlink()
     assert_one_line_error(*run("inspect", data)[::2], f"{shard.name}: listed in")

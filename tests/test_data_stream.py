@@ -323,8 +323,12 @@ def test_too_few_samples_for_the_ranks_is_an_error() -> None:
 
 def test_max_len_and_max_tokens_checks(prepared: Path) -> None:
     longest = int(open_prepared(prepared).lengths.max())
-    with pytest.raises(DataError, match=rf"max_tokens=5 cannot hold the longest train sample \({longest + 1} tokens"):
-        TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, max_tokens=5)
+    with pytest.raises(DataError, match=rf"max_tokens=16 cannot hold the longest train sample \({longest + 1} tokens"):
+        TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, max_tokens=16)
+    with pytest.raises(DataError, match="or set data.max_len to at most 15 to leave longer samples out"):
+        TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, max_tokens=16)
+    with pytest.warns(UserWarning, match="longer than max_len=15"):  # the advice taken: the stream runs
+        assert take(TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, max_tokens=16, max_len=15), 1)
     with pytest.warns(UserWarning, match="longer than max_len=10"):
         stream = TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, max_tokens=256, max_len=10)
     assert stream.excluded > 0

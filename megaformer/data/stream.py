@@ -283,8 +283,8 @@ class TokenBatchStream:
         if need > self.settings.max_tokens:
             raise DataError(
                 f"data.max_tokens={self.settings.max_tokens} cannot hold the longest {self.split} sample "
-                f"({need} tokens with eos): raise data.max_tokens to at least {need}, or set data.max_len below "
-                f"{need - 1} to leave the longest samples out"
+                f"({need} tokens with eos): raise data.max_tokens to at least {need}, or set data.max_len to at most "
+                f"{self.settings.max_tokens - 1} to leave longer samples out"
             )
 
     @property

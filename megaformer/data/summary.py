@@ -48,6 +48,12 @@ def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False
             seed=defaults.seed,
             shuffle=name == "train",
         )
+        need = int(data.lengths.max(initial=0)) + 1  # the longest sample with eos: one batch must hold it
+        if len(data.lengths) and need > max_tokens:
+            raise DataError(
+                f"--max-tokens {max_tokens} cannot hold the longest {name} sample ({need} tokens with eos): "
+                f"give at least {need}"
+            )
         batches = plan_epoch(data, settings, epoch=0)[0].batches if len(data.lengths) else []
         bins = int(data.lengths.max(initial=0)) // BIN_WIDTH + 1
         summary["splits"][name] = {
