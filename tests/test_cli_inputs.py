@@ -164,6 +164,8 @@ PATHS = [
     (("evaluate", "--ckpt", "{model}", "--input", "{file}", "--ref", "{missing}"), "argument --ref: "),
     (EVALUATE + ("--output", "{file}"), "--output"),
     (("evaluate", "--ckpt", "{model}", "--input", "{empty}", "--ref", "{empty}"), "hold no sentences"),
+    (("evaluate", "--ckpt", "{model}", "--input", "-", "--ref", "-"), "standard input can be only one of them"),
+    ((*EVALUATE, "--output", "-", "--json"), "the hypotheses and the JSON object would share stdout"),
     (("train", "--config", "{missing}"), "argument --config: "),
     (("train", "--config", "{tiny}", "--run-dir", "{file}"), "argument --run-dir: "),
     (("train", "--config", "{tiny}", "--resume", "{missing}"), "argument --resume: "),

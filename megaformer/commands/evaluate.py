@@ -67,6 +67,13 @@ def check_tokenizer(name: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if str(args.input) == "-" and str(args.ref) == "-":
+        raise DataError("--input - and --ref -: standard input can be only one of them; give the other as a file")
+    if args.json and args.output is not None and str(args.output) == "-":
+        raise DataError(
+            "--output - with --json: the hypotheses and the JSON object would share stdout; "
+            "write the hypotheses to a file"
+        )
     inputs = [("--input file", args.input), ("--ref file", args.ref)]
     refuse_output_over_inputs("--output", args.output, inputs, "hypotheses")  # not the test set they are scored on
     check_tokenizer(args.tokenize)
