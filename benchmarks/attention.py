@@ -12,7 +12,6 @@ CPU up to 48 keys in fp32 and 128 in bf16; the last column says which one it pic
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,6 +20,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megaformer.cli import Parser
+from megaformer.cli_args import positive_int
 from megaformer.model.attention import matmul_attention, uses_matmul_attention
 from megaformer.parallel import LOCAL, DropoutRNG
 
@@ -74,10 +75,10 @@ def measure(shape, dtype: str, causal: bool, device: str, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="attention", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=positive_int, default=10)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from megaformer.cli import Parser
-from megaformer.cli_args import nonneg_int
+from megaformer.cli_args import nonneg_int, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["train.log_interval=1", "train.eval_interval=0", "train.save_interval=0", "train.save_minutes=0"]
@@ -64,9 +64,9 @@ def main() -> int:
     p.add_argument("--data", required=True, help="a directory written by `megaformer prepare`")
     p.add_argument("--config", default="configs/multi30k.yaml")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--warmup", type=int, default=10, help="steps left out of the rate")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=positive_int, default=40)
+    p.add_argument("--warmup", type=nonneg_int, default=10, help="steps left out of the rate")
+    p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--tokens-per-step", type=nonneg_int, default=0, help="train.tokens_per_step (0: the config's)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

@@ -31,7 +31,6 @@ drifts between runs).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -45,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaformer import cli
+from megaformer.cli_args import nonneg_int, positive_int
 from megaformer.data.stream import TokenBatchStream
 
 D_MODEL, HEADS, D_FF, LAYERS, VOCAB, BATCH, LENGTH = 512, 8, 2048, 6, 8000, 32, 30
@@ -187,23 +187,25 @@ def verification_cost(data: Path, workers: int, max_tokens: int, sort_buffer: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.Parser(prog="data_stream", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--data", type=Path, help="a prepared directory (default: a WMT'14-shaped corpus of --pairs pairs)"
     )
     parser.add_argument(
-        "--pairs", type=int, default=200_000, help="pairs of the WMT'14-shaped corpus (default: %(default)s)"
+        "--pairs", type=positive_int, default=200_000, help="pairs of the WMT'14-shaped corpus (default: %(default)s)"
     )
     parser.add_argument(
-        "--sort-buffer", type=int, default=100_000, help="samples per sort window (default: %(default)s)"
+        "--sort-buffer", type=positive_int, default=100_000, help="samples per sort window (default: %(default)s)"
     )
-    parser.add_argument("--workers", type=int, default=1, help="loader workers (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch and side (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=3, help="timed training steps (default: %(default)s)")
+    parser.add_argument("--workers", type=nonneg_int, default=1, help="loader workers (default: %(default)s)")
+    parser.add_argument(
+        "--max-tokens", type=positive_int, default=4096, help="tokens per batch and side (default: %(default)s)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed training steps (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--verify-rounds",
-        type=int,
+        type=nonneg_int,
         default=0,
         help="also time N epochs each with and without the shard checksums, alternating (default: %(default)s)",
     )

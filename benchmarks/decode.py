@@ -42,21 +42,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model_args import add_model_arguments, model_config, random_model  # noqa: E402
 
+from megaformer.cli import Parser  # noqa: E402
+from megaformer.cli_args import nonneg_int, positive_int  # noqa: E402
 from megaformer.decode.beam import SearchSettings, beam_search  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="decode", description=__doc__.splitlines()[0])
     add_model_arguments(p, layers=6)
-    p.add_argument("--sentences", type=int, default=16)
-    p.add_argument("--src-len", type=int, default=25, help="source tokens per sentence, eos included")
-    p.add_argument("--out-len", type=int, default=50, help="output tokens per hypothesis (forced)")
-    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--sentences", type=positive_int, default=16)
+    p.add_argument("--src-len", type=positive_int, default=25, help="source tokens per sentence, eos included")
+    p.add_argument("--out-len", type=positive_int, default=50, help="output tokens per hypothesis (forced)")
+    p.add_argument("--beam", type=positive_int, default=4)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (0: torch's default)")
+    p.add_argument("--threads", type=nonneg_int, default=0, help="torch threads on a CPU (0: torch's default)")
     p.add_argument(
-        "--engines", type=int, default=0, help="also time megaformer, transformers, CTranslate2 on N sentences"
+        "--engines", type=nonneg_int, default=0, help="also time megaformer, transformers, CTranslate2 on N sentences"
     )
     p.add_argument("--data", default="../shared/data/multi30k", help="Multi30k folder for --engines")
     p.add_argument("--ckpt", help="trained model for --engines (default: Multi30k-sized, briefly trained)")

@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT))
 from model_args import add_model_arguments, model_config, random_model  # noqa: E402
 
 from megaformer.checkpoint import Consolidated  # noqa: E402
+from megaformer.cli import Parser  # noqa: E402
+from megaformer.cli_args import nonneg_int, positive_int  # noqa: E402
 from megaformer.config import Config  # noqa: E402
 from megaformer.decode.beam import SearchSettings  # noqa: E402
 from megaformer.decode.loading import build_model, load_model_file, load_tokenizer  # noqa: E402
@@ -57,15 +59,15 @@ EOS = 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="export_parity", description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a trained run directory, step directory or model file (default: random weights)")
     p.add_argument("--src", help="source sentences for --ckpt")
     p.add_argument("--ref", help="reference translations for --ckpt (teacher forcing)")
     p.add_argument("--data", default="../shared/data/multi30k", help="Multi30k folder (as make multi30k)")
     add_model_arguments(p, layers=3)
-    p.add_argument("--train-steps", type=int, default=300, help="brief training of the random model (0: none)")
-    p.add_argument("--sentences", type=int, default=100)
-    p.add_argument("--max-new", type=int, default=40, help="output tokens before a forced eos")
+    p.add_argument("--train-steps", type=nonneg_int, default=300, help="brief training of the random model (0: none)")
+    p.add_argument("--sentences", type=positive_int, default=100)
+    p.add_argument("--max-new", type=positive_int, default=40, help="output tokens before a forced eos")
     p.add_argument("--reshard-check", action="store_true")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)

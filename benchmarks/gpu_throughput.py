@@ -32,7 +32,7 @@ compile_cache_defaults()  # Inductor's and AOTAutograd's caches where `megaforme
 
 import torch  # noqa: E402
 
-from megaformer.cli_args import int_range  # noqa: E402
+from megaformer.cli_args import int_range, nonneg_int, positive_int  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
 from megaformer.info import model_info  # noqa: E402
 from megaformer.model import Transformer  # noqa: E402
@@ -46,13 +46,13 @@ def main() -> int:
     p.add_argument("--config", default="configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--tokens", type=int, default=25000, help="target tokens per step (the paper's batch)")
-    p.add_argument("--len", type=int, default=32, help="tokens per sentence, each side")
+    p.add_argument("--tokens", type=positive_int, default=25000, help="target tokens per step (the paper's batch)")
+    p.add_argument("--len", type=positive_int, default=32, help="tokens per sentence, each side")
     p.add_argument(
         "--vocab-size", type=int_range(4), default=37000, help="pieces in the vocabulary (WMT'14 en-de's 37,000)"
     )
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--warmup", type=nonneg_int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=0.0)
     p.add_argument("--compile", action="store_true", help="compile each layer, as train.compile=true does")

@@ -23,7 +23,6 @@ On a CPU the step's wall time is host time: nothing runs asynchronously.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megaformer import cli  # noqa: E402
+from megaformer.cli_args import nonneg_int, positive_int  # noqa: E402
 from megaformer.config import load_config  # noqa: E402
 from megaformer.model import sinusoidal_positions  # noqa: E402
 from megaformer.parallel import ParallelContext  # noqa: E402
@@ -143,12 +143,14 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
     optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     flags = StepFlags()  # no signal, no time limit, no save due, no cool-down
     times: dict[str, list[float]] = {"megaformer": [], "reference": []}
-    micro = None
+    taken = []  # the micro-batches of each step the trainer takes from its feed: the reference trains on them too
+    next_step = trainer.feed.next_step
+    trainer.feed.next_step = lambda: taken.append(next_step()) or taken[-1]
     for i in range(warmup + steps):
         began = time.perf_counter()
         trainer.step(flags)
         mega = time.perf_counter() - began
-        micro = trainer.feed.next_step()  # the next step's micro-batches, for the reference
+        micro = taken.pop()
         began = time.perf_counter()
         for m in micro:
             (ref.loss(m.batch.src, m.batch.tgt_in, m.batch.tgt_out) / 2048).backward()
@@ -181,9 +183,9 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps (default: %(default)s)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    parser = cli.Parser(prog="host_overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed optimizer steps (default: %(default)s)")
+    parser.add_argument("--warmup", type=nonneg_int, default=3, help="untimed steps first (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

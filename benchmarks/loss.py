@@ -16,14 +16,14 @@ then flows back through the cast); the ratio is megaformer's time over it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 import sys
 import time
 
-from megaformer.cli import host_memory_defaults
+from megaformer.cli import Parser, host_memory_defaults
+from megaformer.cli_args import positive_int
 
 host_memory_defaults()  # as `megaformer train` runs: torch reads it at its first allocation
 
@@ -70,11 +70,11 @@ def run(tokens: int, vocab: int, repeats: int, dtype: torch.dtype = torch.float3
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=1400)
-    p.add_argument("--vocab", type=int, default=8064)
+    p = Parser(prog="loss", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=positive_int, default=1400)
+    p.add_argument("--vocab", type=positive_int, default=8064)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=positive_int, default=9)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if min(args.tokens, args.vocab, args.repeats) < 1:

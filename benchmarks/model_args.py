@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import argparse
 
+from megaformer.cli_args import positive_int
 from megaformer.config import ModelConfig
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, DropoutRNG
 
 
 def add_model_arguments(p: argparse.ArgumentParser, layers: int) -> None:
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=layers, help="encoder and decoder layers each")
-    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--d-model", type=positive_int, default=256)
+    p.add_argument("--d-ff", type=positive_int, default=1024)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--layers", type=positive_int, default=layers, help="encoder and decoder layers each")
+    p.add_argument("--vocab", type=positive_int, default=8000)
     p.add_argument("--norm", choices=("post", "pre"), default="post", help="post- or pre-LN layers (model.norm)")
 
 

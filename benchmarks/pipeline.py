@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megaformer.cli import Parser  # noqa: E402
+from megaformer.cli_args import nonneg_int, positive_int  # noqa: E402
 from megaformer.parallel.stages import bubble_fraction  # noqa: E402
 
 CPU_MODEL = ["model.d_model=128", "model.d_ff=512", "model.encoder_layers=4", "model.decoder_layers=4"]
@@ -115,10 +117,10 @@ def measure(args: argparse.Namespace, gpu: bool, work: Path) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=14, help="optimizer steps per run")
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the times and the bubble")
-    p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], metavar="M")
+    p = Parser(prog="pipeline", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=positive_int, default=14, help="optimizer steps per run")
+    p.add_argument("--warmup", type=nonneg_int, default=3, help="first steps left out of the times and the bubble")
+    p.add_argument("--micro-batches", type=positive_int, nargs="+", default=[4, 8], metavar="M")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--gpu", action="store_true", help="transformer_big on CUDA (default when CUDA is available)")
     where.add_argument("--cpu", action="store_true", help="the widened tiny model on the CPU")

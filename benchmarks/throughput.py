@@ -43,7 +43,6 @@ says so in one line and exits with status 3; ``--emulated-bf16`` runs it anyway.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -53,7 +52,8 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 
-from megaformer.cli import host_memory_defaults
+from megaformer.cli import Parser, host_memory_defaults
+from megaformer.cli_args import nonneg_int, positive_int
 
 host_memory_defaults()  # torch reads it at its first allocation
 
@@ -225,11 +225,11 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per model")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
+    p.add_argument("--steps", type=positive_int, default=6, help="timed steps per model")
+    p.add_argument("--warmup", type=nonneg_int, default=2, help="untimed steps per model first")
     p.add_argument(
         "--reference-dropout",
         choices=("paper", "everywhere"),

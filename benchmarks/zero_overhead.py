@@ -91,11 +91,14 @@ def _worker(args: argparse.Namespace, variants: dict[str, list[str]], out: str) 
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=16, help="sentences per rank per step")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
+    from megaformer.cli import Parser
+    from megaformer.cli_args import nonneg_int, positive_int
+
+    p = Parser(prog="zero_overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--batch", type=positive_int, default=16, help="sentences per rank per step")
+    p.add_argument("--rounds", type=positive_int, default=10)
+    p.add_argument("--warmup", type=nonneg_int, default=2)
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--variant",

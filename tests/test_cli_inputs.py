@@ -363,6 +363,25 @@ def test_gpu_throughput_refuses_a_bad_vocabulary_size_in_one_line(value, fragmen
     assert_one_line_error(proc.returncode, proc.stderr, f"argument --vocab-size: {fragment}")
 
 
+BENCHMARK_OPTIONS = [
+    ("host_overhead", "--steps", "0", "must be at least 1"),  # a median of nothing, after the whole run
+    ("host_overhead", "--warmup", "-1", "must be at least 0"),
+    ("data_stream", "--sort-buffer", "0", "must be at least 1"),  # ran on for minutes
+    ("data_stream", "--workers", "-1", "must be at least 0"),  # a traceback after a 40 s corpus
+    ("decode", "--beam", "0", "must be at least 1"),
+    ("throughput", "--steps", "x", "expected an integer"),
+    ("pipeline", "--micro-batches", "0", "must be at least 1"),
+    ("zero_overhead", "--rounds", "0", "must be at least 1"),
+]
+
+
+@pytest.mark.parametrize(("script", "option", "value", "fragment"), BENCHMARK_OPTIONS)
+def test_benchmarks_refuse_a_bad_count_in_one_line_before_they_start(script, option, value, fragment):
+    argv = [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), option, value]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, f"argument {option}: {fragment}")
+
+
 @pytest.mark.parametrize(
     ("env", "fragment"),
     [
