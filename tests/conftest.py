@@ -17,6 +17,11 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 # its CUDA accelerator whenever CUDA is visible, uses its CPU one; spawned ranks and
 # subprocesses inherit this.
 os.environ["DS_ACCELERATOR"] = "cpu"
+# The suite starts its own ranks and SLURM jobs: run from a shell inside a SLURM allocation or a
+# torchrun rank, every test would inherit that job's variables (a `--nproc 2` run refuses SLURM_PROCID).
+_LAUNCH = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+for _name in [n for n in os.environ if n.startswith(("SLURM_", "TORCHELASTIC_")) or n in _LAUNCH]:
+    del os.environ[_name]
 # Inductor's cache does not tell CPU kernel levels apart: one folder per ATEN_CPU_CAPABILITY (as the CLI does).
 from megaformer.cli import compile_cache_defaults  # noqa: E402
 

@@ -32,7 +32,11 @@ def _faults_per_allocation(thp: str) -> float:
 def test_huge_pages_fault_a_freed_and_reallocated_tensor_in_far_fewer_times():
     pages = (64 << 20) // 4096
     small, huge = _faults_per_allocation("0"), _faults_per_allocation("1")
-    assert small > 0.9 * pages  # glibc maps every 64 MiB allocation anew: each 4 KiB page faults again
+    # glibc maps every 64 MiB allocation anew: each 4 KiB page faults again. Only where the kernel
+    # gives huge pages when asked (madvise): in its "always" mode it gives them to the unaligned
+    # mapping too (~32 faults of 2 MiB and the edges' small pages), which is what the variable asks.
+    if kernel_thp_mode() == "madvise":
+        assert small > 0.9 * pages, (small, huge)
     assert huge < 0.1 * pages, (small, huge)  # 2 MiB pages: 512 times fewer, where the kernel has them
 
 
@@ -89,8 +93,9 @@ def test_onednn_keeps_the_kernels_of_every_shape_it_met_under_the_cli_default():
     [
         ("1", "always [madvise] never", "in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: madvise)"),
         ("1", "always madvise [never]", "4 KiB pages: THP_MEM_ALLOC_ENABLE=1 but the kernel's transparent huge"),
-        ("0", "[always] madvise never", "4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"),
-        (None, "[always] madvise never", "4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"),
+        ("0", "always [madvise] never", "4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"),
+        (None, "always [madvise] never", "4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"),
+        ("0", "[always] madvise never", "huge pages where the kernel puts them (kernel: always;"),
         ("1", None, "in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: unknown)"),
     ],
 )

@@ -469,11 +469,16 @@ def test_metrics_that_cannot_be_written_are_refused_before_training(shared_data,
 
 
 def test_a_peer_that_never_joins_is_one_line_naming_the_rendezvous(shared_data, tmp_path):
-    from launcher.local import free_port
+    from launcher.local import reserve_port
 
-    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2"}
-    argv = _train_argv(tmp_path / "run", shared_data, "parallel.timeout_minutes=0.05")
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    held = reserve_port()  # held until rank 0's store listens on it, as the launcher does (a chosen port was taken)
+    try:
+        port = str(held.getsockname()[1])
+        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": "0", "WORLD_SIZE": "2"}
+        argv = _train_argv(tmp_path / "run", shared_data, "parallel.timeout_minutes=0.05")
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    finally:
+        held.close()
     line = _one_line_error(proc, "rank 0 of 2: the ranks did not all meet at env://")
     assert "1/2 clients joined" in line and "parallel.timeout_minutes" in line
 

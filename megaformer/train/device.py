@@ -81,9 +81,11 @@ def host_memory(device: torch.device, thp_mode: Path = THP_MODE) -> str | None:
     """Which pages a CPU run's tensors of 2 MiB or more get, for the log (None on a GPU)."""
     if device.type != "cpu":
         return None
-    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch reads "1" as on, "0" as off, warns on others
-        return "CPU tensors in 4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"
     mode = kernel_thp_mode(thp_mode)
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":  # torch reads "1" as on, "0" as off, warns on others
+        if mode == "always":  # the kernel gives large mappings huge pages unasked
+            return "CPU tensors in huge pages where the kernel puts them (kernel: always; THP_MEM_ALLOC_ENABLE not 1)"
+        return "CPU tensors in 4 KiB pages (THP_MEM_ALLOC_ENABLE is not 1)"
     if mode == "never":
         return "CPU tensors in 4 KiB pages: THP_MEM_ALLOC_ENABLE=1 but the kernel's transparent huge pages are off"
     return f"CPU tensors of 2 MiB or more in transparent huge pages (THP_MEM_ALLOC_ENABLE=1, kernel: {mode})"
