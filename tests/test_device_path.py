@@ -179,6 +179,27 @@ def test_the_matmul_peak_does_not_stop_growing_on_a_cold_first_call(monkeypatch)
     assert sorted(set(calls)) == [128, 256, 512, 1024], calls  # grown to n, each size warmed once
 
 
+def test_the_matmul_peak_does_not_stop_growing_on_one_matmul_that_lost_the_core(monkeypatch):
+    """One timed matmul at 128 slowed by other work (a peak 1,000x too low hid every MFU of a run): the size still grows."""
+    import time
+
+    from megaformer.train import metrics
+
+    calls: list[int] = []
+
+    class Operand:
+        def __init__(self, n):
+            self.n = n
+
+        def __matmul__(self, other):
+            calls.append(self.n)
+            time.sleep(0.05 if calls == [128, 128] else 0.0)  # the first timed call, preempted
+
+    monkeypatch.setattr(metrics.torch, "randn", lambda n, m, dtype: Operand(n))
+    assert metrics.measured_matmul_peak(torch.float32, n=1024) > 0
+    assert sorted(set(calls)) == [128, 256, 512, 1024], calls
+
+
 def test_an_mfu_beyond_the_peak_is_not_shown_and_said_once():
     """A CPU peak timed while other work held the cores gave an MFU of 145 %: not a figure to show."""
     from megaformer.train.metrics import Peak
