@@ -38,6 +38,7 @@ def resolve(env: dict[str, str] | None = None) -> dict[str, object]:
         "backend": backend,
         "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
         "omp_num_threads": env.get("OMP_NUM_THREADS"),
+        "threads": torch.get_num_threads(),  # a rank of this process (OMP_NUM_THREADS, else torch's default)
         "slurm_job_id": env.get("SLURM_JOB_ID"),
         "slurm_cpus_per_task": env.get("SLURM_CPUS_PER_TASK"),
     }

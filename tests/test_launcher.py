@@ -93,6 +93,9 @@ def test_env_command_under_fake_slurm():
     assert found["launcher"] == "slurm" and found["master_addr"] == "rack1-node01"
     assert found["world_size"] == 4 and found["nodes"] == FORMS["rack[1-2]-node[01-02]"]
     assert found["omp_num_threads"] == "3" and found["device"] == "cpu"
+    # the threads torch gives a process under this environment (OMP_NUM_THREADS=3, at most the cores here)
+    torch_threads = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    assert found["threads"] == int(subprocess.run(torch_threads, capture_output=True, text=True, env=env).stdout)
 
 
 def test_tp_groups_must_stay_inside_a_node():
