@@ -65,7 +65,7 @@ def main() -> int:
     p.add_argument("--config", default="configs/multi30k.yaml")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--steps", type=positive_int, default=40)
-    p.add_argument("--warmup", type=nonneg_int, default=10, help="steps left out of the rate")
+    p.add_argument("--warmup", type=positive_int, default=10, help="steps left out of the rate")
     p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--tokens-per-step", type=nonneg_int, default=0, help="train.tokens_per_step (0: the config's)")
     p.add_argument("--json", action="store_true")

@@ -77,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=positive_int, default=9)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if min(args.tokens, args.vocab, args.repeats) < 1:
-        p.error("--tokens, --vocab and --repeats must be at least 1")
     r = run(args.tokens, args.vocab, args.repeats, DTYPES[args.dtype])
     if args.json:
         print(json.dumps(r, indent=2))

@@ -3,7 +3,8 @@
 :func:`resolve` gives what :func:`launcher.env.detect` makes of the variables torchrun,
 SLURM and the DeepSpeed launcher set (launcher kind, rank, local rank, world size, node
 list, master address and port), and the device, backend and threads a rank of this
-process would use. The command is :mod:`megaformer.commands.env`.
+process would use (started by torchrun or srun; ``megaformer train --nproc N`` gives each of
+its N ranks the cores divided by N). The command is :mod:`megaformer.commands.env`.
 """
 
 from __future__ import annotations

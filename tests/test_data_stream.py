@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -157,13 +157,13 @@ _RANK_WITH_WORKERS = """
 import sys, time, psutil
 from multiprocessing import resource_tracker
 from megaformer.data.stream import TokenBatchStream
+me = psutil.Process()
 resource_tracker.ensure_running()  # a child of its own, not a worker
-others = {p.pid for p in psutil.Process().children()}
 stream = TokenBatchStream(sys.argv[1], "train", dp_rank=0, dp_size=1, num_workers=2, repeat=True, max_tokens=256)
 batches, workers = iter(stream), set()
-while len(workers) < 2:  # the read-ahead starts them
+while len(workers) < 2:  # the read-ahead starts them: forked, they run this process's command line
     next(batches)
-    workers = {p.pid for p in psutil.Process().children()} - others
+    workers = {p.pid for p in me.children() if p.cmdline() == me.cmdline()}
 print(*workers, flush=True)
 time.sleep(300)
 """
@@ -175,23 +175,31 @@ def test_workers_of_a_killed_rank_exit(prepared: Path) -> None:
     rank = subprocess.Popen(
         [sys.executable, "-c", _RANK_WITH_WORKERS, str(prepared)], stdout=subprocess.PIPE, text=True, env=env
     )
+    timer = threading.Timer(120, rank.kill)  # a rank that never names its workers does not hang the suite
+    timer.start()
     try:
-        workers = [int(pid) for pid in rank.stdout.readline().split()]
-        assert len(workers) == 2, workers
+        workers = [psutil.Process(int(pid)) for pid in rank.stdout.readline().split()]  # each knows its start time
     finally:
+        timer.cancel()
         rank.kill()
         rank.wait()
+
+    def alive() -> list[psutil.Process]:
+        running = []
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):  # reaped between the two questions
+                if worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE:  # this container's init reaps none
+                    running.append(worker)
+        return running
+
     deadline = time.monotonic() + 20
-
-    def alive() -> list[int]:
-        return [p for p in workers if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     left = alive()
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"workers {left} outlived their rank"
+    for worker in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()  # psutil checks the start time: never another process that took the pid
+    assert len(workers) == 2 and not left, f"workers {workers}: {left} outlived their rank"
 
 
 def test_a_split_smaller_than_a_window_is_read_at_most_two_epochs_and_a_shuffle_ahead(prepared, monkeypatch):

@@ -28,6 +28,7 @@ from megaformer.train.run_lock import LOCK_NAME, Holder, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
+FAKES = ROOT / "tests" / "fakes"
 QUICK = [
     "data.max_tokens=512",
     "data.num_workers=0",
@@ -361,6 +362,22 @@ def test_a_resume_with_nothing_left_does_not_validate_again(shared_data, tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to train" in again.stdout
     assert not [line for line in again.stdout.splitlines() if line.startswith("valid ")], again.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records if r.get("kind") == "valid"] == [4, 6]
+
+
+def test_a_signal_save_at_the_last_step_is_validated_once_on_resume(shared_data, tmp_path):
+    """SIGTERM saves the last step without validating it; the resume validates and saves it, the next does nothing.
+
+    Without BLEU no validation is a best one: the resume's was saved only when it was.
+    """
+    run, sets = tmp_path / "run", ("train.max_steps=6", "train.eval_interval=4", "train.eval_bleu_sentences=0")
+    env = {**_env(), "PYTHONPATH": f"{FAKES}{os.pathsep}{ROOT}", "MEGAFORMER_TEST_FAULT": "term:step=5"}
+    first = subprocess.run(_train_argv(run, shared_data, *sets), capture_output=True, text=True, cwd=ROOT, env=env)
+    assert first.returncode == 143 and "checkpoint: saved" in first.stdout, first.stdout[-2000:] + first.stderr[-2000:]
+    for _ in range(2):
+        again = _train(run, shared_data, *sets)
+        assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in records if r.get("kind") == "valid"] == [4, 6]
 

@@ -122,20 +122,21 @@ class Cluster:
         still completing the old one fails before it starts. Nor within the second SLURM revoked
         the previous attempt's credential: slurmd refuses a launch credential no newer than the
         revocation (``ctime <= revoked``), the batch script never runs and the job ends FAILED
-        (exit 1, run time 0). The requeue sets SubmitTime after the revocation; SLURM's own hold
-        exists for this, so the release waits until two seconds past it. A job that ended instead
-        fails the test at once, with its output."""
-        deadline = time.monotonic() + timeout
+        (exit 1, run time 0). The job shows PENDING only once the requeue is complete, after the
+        revocation; SLURM's own hold exists for this, so the release waits 3 s from then. A job
+        that ended without restarting fails the test at once, with its output; a second attempt
+        that already ended is for the caller to judge."""
+        deadline, pending_since = time.monotonic() + timeout, None
         while True:
             info = self.job(job)
-            if info.get("Restarts") == "1" and info.get("JobState") == "RUNNING":
+            if info.get("Restarts") == "1" and info.get("JobState") in {"RUNNING", *ENDED}:
                 return
             if info.get("JobState") in ENDED:
                 output = Path(info["StdOut"]).read_text() if info.get("StdOut") else ""
                 raise AssertionError(f"job {job} ended instead of restarting: {info}\n{output[-4000:]}")
             pending = info.get("Restarts") == "1" and info.get("JobState") == "PENDING"
-            requeued_at = time.mktime(time.strptime(info.get("SubmitTime", ""), "%Y-%m-%dT%H:%M:%S")) if pending else 0
-            if pending and time.time() >= requeued_at + 2 and self.nodes_settled():  # until SLURM takes it
+            pending_since = (pending_since or time.monotonic()) if pending else None
+            if pending and time.monotonic() >= pending_since + 3 and self.nodes_settled():  # until SLURM takes it
                 self.slurm("scontrol", "update", f"JobId={job}", *update, "StartTime=now", check=False)
             assert time.monotonic() < deadline, f"job {job} not requeued and restarted after {timeout} s: {info}"
             time.sleep(1)

@@ -54,14 +54,14 @@ def test_trainer_state_keeps_best_bleu_and_reads_old_checkpoints():
         def set_cooldown(self, cooldown):
             self.cooldown = cooldown
 
-    trainer = SimpleNamespace(tokens=5, train_seconds=1.5, best_bleu=12.5, engine=Engine())
+    trainer = SimpleNamespace(tokens=5, train_seconds=1.5, best_bleu=12.5, _validated=4, engine=Engine())
     state = Trainer.state_dict(trainer)
-    assert state == {"tokens": 5, "train_seconds": 1.5, "best_bleu": 12.5}  # the cool-down is the engine's
-    fresh = SimpleNamespace(best_bleu=None, engine=Engine())
+    assert state == {"tokens": 5, "train_seconds": 1.5, "best_bleu": 12.5, "validated": 4}  # no cool-down: the engine's
+    fresh = SimpleNamespace(best_bleu=None, _validated=-1, engine=Engine())
     Trainer.load_state_dict(fresh, json.loads(json.dumps(state)))  # meta.json holds it as JSON
-    assert fresh.best_bleu == 12.5 and fresh.tokens == 5 and fresh.engine.cooldown is None
+    assert fresh.best_bleu == 12.5 and fresh.tokens == 5 and fresh.engine.cooldown is None and fresh._validated == 4
     Trainer.load_state_dict(fresh, {"tokens": 7, "train_seconds": 2.0})  # written before BLEU was tracked
-    assert fresh.best_bleu is None and fresh.tokens == 7
+    assert fresh.best_bleu is None and fresh.tokens == 7 and fresh._validated == -1  # nor the last step validated
     Trainer.load_state_dict(fresh, {**state, "cooldown": [40, 10]})  # written when the trainer held the cool-down
     assert fresh.engine.cooldown == Cooldown(40, 10)
 

@@ -66,10 +66,9 @@ def _print_model(info: dict, cfg: Config, config: str) -> None:
         f"{cfg.data.vocab_size} padded to {info['padded_vocab_size']}, +{info['vocab_padding_parameters']:,} padding)"
     )
     whole = f"; the whole model, pp={lay['pp']} splits it as below" if lay["pp"] > 1 else ""
+    padding = ", its share of the padding rows included" if info["vocab_padding_parameters"] else ""
     stages = f" pp={lay['pp']}" if lay["pp"] > 1 else ""
-    print(
-        f"per TP rank       {info['parameters_per_rank']:,} (tp={lay['tp']}, its share of the padding rows included{whole})"
-    )
+    print(f"per TP rank       {info['parameters_per_rank']:,} (tp={lay['tp']}{padding}{whole})")
     print(f"FLOPs per token   {info['flops_per_token'] / 1e9:.3f} GFLOP (training, 6 x parameters per target token)")
     print(
         f"memory per rank   {_gib(mem['total'])}: weights {_gib(mem['weights'])}, gradients {_gib(mem['gradients'])}, "

@@ -32,6 +32,8 @@ Tensor-parallel peers pass the same ``dp_rank`` and receive identical batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -279,12 +281,12 @@ class TokenBatchStream:
                 MegaformerWarning,
                 stacklevel=3,
             )
-        need = int(longest[kept].max()) + 1
-        if need > self.settings.max_tokens:
+        need, room = int(longest[kept].max()) + 1, self.settings.max_tokens
+        if need > room:
+            shorter = f", or set data.max_len to at most {room - 1} to leave longer samples out" if room > 1 else ""
             raise DataError(
-                f"data.max_tokens={self.settings.max_tokens} cannot hold the longest {self.split} sample "
-                f"({need} tokens with eos): raise data.max_tokens to at least {need}, or set data.max_len to at most "
-                f"{self.settings.max_tokens - 1} to leave longer samples out"
+                f"data.max_tokens={room} cannot hold the longest {self.split} sample ({need} tokens with eos): "
+                f"raise data.max_tokens to at least {need}{shorter}"
             )
 
     @property
@@ -375,7 +377,7 @@ class TokenBatchStream:
             num_workers=workers,
             collate_fn=as_is,
             prefetch_factor=4,
-            worker_init_fn=ignore_trainer_signals,
+            worker_init_fn=functools.partial(ignore_trainer_signals, parent=os.getpid()),
         )
         return SampleStore(start_workers(loader), workers, len(self.data.lengths), self._check_lengths_of)
 

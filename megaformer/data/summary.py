@@ -52,7 +52,8 @@ def summarize(path: str, max_tokens: int, sort_buffer: int, verify: bool = False
         if len(data.lengths) and need > max_tokens:
             raise DataError(
                 f"--max-tokens {max_tokens} cannot hold the longest {name} sample ({need} tokens with eos): "
-                f"give at least {need}"
+                f"give at least {need} (training takes a smaller data.max_tokens only with a data.max_len that "
+                f"leaves the longer samples out)"
             )
         batches = plan_epoch(data, settings, epoch=0)[0].batches if len(data.lengths) else []
         bins = int(data.lengths.max(initial=0)) // BIN_WIDTH + 1

@@ -76,7 +76,7 @@ def as_is(item: object) -> object:
     return item
 
 
-def ignore_trainer_signals(worker_id: int = 0) -> None:
+def ignore_trainer_signals(worker_id: int = 0, parent: int | None = None) -> None:
     """DataLoader ``worker_init_fn``: a worker ignores the signals the trainer handles (USR1, TERM, INT).
 
     ``scancel --signal=USR1``, SLURM's step signals and Ctrl-C reach every process of a job; a
@@ -87,12 +87,13 @@ def ignore_trainer_signals(worker_id: int = 0) -> None:
     a thread reads it with ``sigtimedwait``, exiting only when the sender is the parent. A worker
     whose rank is gone (``kill -9``, the OOM killer) exits within a second: its loop would stop,
     but its queue's writer stays blocked on a pipe nobody reads, and the orphan would hold its
-    memory, and any output pipe, for good.
+    memory, and any output pipe, for good. ``parent``: the rank's pid, given by the rank (a
+    worker that read its parent itself after the rank died would take init for it).
     """
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def obey_parent_only() -> None:
         while True:

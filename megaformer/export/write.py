@@ -22,7 +22,7 @@ FORMATS = ("safetensors", "hf", "ct2", "pt")
 MODEL_SUFFIXES = (".safetensors", ".pt", ".bin")  # names of one-file models, never of a directory
 # Names that say one file of another kind: a directory export named so (`--out model.txt`) is a typo, not a wish.
 FILE_SUFFIXES = (".pth", ".ckpt", ".onnx", ".h5", ".pkl", ".npz", ".json", ".yaml", ".yml", ".txt", ".gz", ".zip")
-FILE_SUFFIXES += (".tar", ".tgz", ".model", ".log")
+FILE_SUFFIXES += (".tar", ".tgz", ".log")
 
 
 def output_kind(out: Path, fmt: str | None) -> tuple[str, bool]:

@@ -55,7 +55,12 @@ def gpu_peak_tflops(name: str, precision: str, tf32: bool = True) -> float:
 
 
 def measured_matmul_peak(
-    dtype: torch.dtype, n: int = 1024, repeats: int = 5, slow: float = 0.02, window: float = 0.25
+    dtype: torch.dtype,
+    n: int = 1024,
+    repeats: int = 5,
+    slow: float = 0.02,
+    window: float = 0.25,
+    settle: float = 0.005,
 ) -> float:
     """FLOP/s of an n x n matmul on this CPU: the 90th percentile of at least ``repeats``, timed for ``window`` s.
 
@@ -66,8 +71,9 @@ def measured_matmul_peak(
     in the same second), so the MFU logged by identical runs differed 3x.
 
     The size doubles from 128 to ``n`` while a warm matmul takes under ``slow`` seconds (the
-    quicker of two: one that lost the core for a moment stopped the doubling at 128, and a
-    peak 1,000x too low hid every MFU of the run), so a dtype the CPU only emulates (bf16 or
+    quickest of those timed over ``settle`` s, at least two: one that lost the core for a moment
+    stopped the doubling at 128, and a peak 1,000x too low hid every MFU of the run), so a
+    dtype the CPU only emulates (bf16 or
     fp16 without AVX512-BF16/AMX: ~0.8 GFLOP/s on AVX2, 50x below fp32) is measured in a
     fraction of a second, not in the 16 s that 1024 x 1024 took there, on every rank of every
     start. The first call at each size only warms the kernel up: timed, its set-up stopped
@@ -79,11 +85,17 @@ def measured_matmul_peak(
         a @ b
         return time.perf_counter() - t
 
+    def quickest(a: torch.Tensor, b: torch.Tensor) -> float:
+        start, times = time.perf_counter(), [took(a, b), took(a, b)]
+        while time.perf_counter() - start < settle:
+            times.append(took(a, b))
+        return min(times)
+
     size = min(128, n)
     while True:
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         a @ b
-        if size >= n or min(took(a, b), took(a, b)) >= slow:
+        if size >= n or quickest(a, b) >= slow:
             break
         size *= 2
     times: list[float] = []

@@ -349,9 +349,9 @@ class Trainer:
                     self.log(f"train: the cool-down ended at step {self.engine.global_steps}")
                     break
             step = self.engine.global_steps
-            # Only a run resumed at its last step, saved there on a signal, gets here unvalidated.
-            if t.eval_interval and step % t.eval_interval and self._validated != step and self._validate(logger, step):
-                self.save("best", best=True)
+            # Only a run resumed at its last step, saved there on a signal, gets here unvalidated: saved again, validated.
+            if t.eval_interval and step % t.eval_interval and self._validated != step:
+                self.save("best" if (best := self._validate(logger, step)) else "validated", best=best)
         finally:
             watch.restore()
             logger.close()
