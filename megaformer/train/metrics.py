@@ -73,11 +73,11 @@ def measured_matmul_peak(
     The size doubles from 128 to ``n`` while a warm matmul takes under ``slow`` seconds (the
     quickest of those timed over ``settle`` s, at least two: one that lost the core for a moment
     stopped the doubling at 128, and a peak 1,000x too low hid every MFU of the run), so a
-    dtype the CPU only emulates (bf16 or
-    fp16 without AVX512-BF16/AMX: ~0.8 GFLOP/s on AVX2, 50x below fp32) is measured in a
-    fraction of a second, not in the 16 s that 1024 x 1024 took there, on every rank of every
-    start. The first call at each size only warms the kernel up: timed, its set-up stopped
-    the doubling at a small size, whose lower FLOP/s put the MFU of fp32 training above 100 %.
+    dtype the CPU only emulates (bf16 or fp16 without AVX512-BF16/AMX: ~0.8 GFLOP/s on AVX2,
+    50x below fp32) is measured in a fraction of a second, not in the 16 s that 1024 x 1024
+    took there, on every rank of every start. The first call at each size only warms the
+    kernel up: timed, its set-up stopped the doubling at a small size, whose lower FLOP/s put
+    the MFU of fp32 training above 100 %.
     """
 
     def took(a: torch.Tensor, b: torch.Tensor) -> float:
