@@ -31,6 +31,7 @@ drifts between runs).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -46,6 +47,7 @@ from torch import nn
 from megaformer import cli
 from megaformer.cli_args import nonneg_int, positive_int
 from megaformer.data.stream import TokenBatchStream
+from megaformer.errors import MegaformerError
 
 D_MODEL, HEADS, D_FF, LAYERS, VOCAB, BATCH, LENGTH = 512, 8, 2048, 6, 8000, 32, 30
 TARGET_RATIO = 20.0
@@ -210,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also time N epochs each with and without the shard checksums, alternating (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    try:
+        return _measure(args)
+    except MegaformerError as err:  # data or settings the stream refuses (--max-tokens below the longest sample)
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+
+
+def _measure(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
         if data is None:

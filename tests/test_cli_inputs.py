@@ -382,6 +382,15 @@ def test_benchmarks_refuse_a_bad_count_in_one_line_before_they_start(script, opt
     assert_one_line_error(proc.returncode, proc.stderr, f"argument {option}: {fragment}")
 
 
+def test_data_stream_benchmark_says_what_the_stream_refuses_in_one_line(run, tmp_path):
+    """A --max-tokens below the longest sample was a DataError traceback."""
+    data = tmp_path / "data"
+    assert run("prepare", "--synthetic", "60", "--out", data, "--quiet")[0] == 0
+    argv = [sys.executable, str(ROOT / "benchmarks" / "data_stream.py"), "--data", str(data), "--max-tokens", "5"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert_one_line_error(proc.returncode, proc.stderr, "data_stream: error: data.max_tokens=5 cannot hold the longest")
+
+
 @pytest.mark.parametrize(
     ("env", "fragment"),
     [
