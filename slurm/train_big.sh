@@ -14,5 +14,10 @@
 #SBATCH --output=%x-%j.out
 
 CONFIG=${CONFIG:-configs/transformer_big.yaml}
+# SLURM runs a copy of this script: the checkout is where it was submitted from.
+[ -f "${SLURM_SUBMIT_DIR:-$PWD}/slurm/common.sh" ] || {
+    echo "megaformer: ${SLURM_SUBMIT_DIR:-$PWD} is not a megaformer checkout: cd to it, then sbatch slurm/train_big.sh" >&2
+    exit 2
+}
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$PWD}/slurm/common.sh"

@@ -15,5 +15,10 @@
 
 CONFIG=${CONFIG:-configs/tiny.yaml}
 set -- --set parallel.tp=2 --set parallel.backend=gloo "$@" # the CPU sibling: gloo even where CUDA is visible; later --set arguments win
+# SLURM runs a copy of this script: the checkout is where it was submitted from.
+[ -f "${SLURM_SUBMIT_DIR:-$PWD}/slurm/common.sh" ] || {
+    echo "megaformer: ${SLURM_SUBMIT_DIR:-$PWD} is not a megaformer checkout: cd to it, then sbatch slurm/train_tiny.sh" >&2
+    exit 2
+}
 # shellcheck source=slurm/common.sh
 source "${SLURM_SUBMIT_DIR:-$PWD}/slurm/common.sh"

@@ -42,6 +42,16 @@ def test_directives(script):
     assert "--resume auto" in (ROOT / "slurm" / "common.sh").read_text()
 
 
+@pytest.mark.parametrize("script", ["train_base.sh", "train_big.sh", "train_tiny.sh"])
+def test_a_job_submitted_from_outside_the_checkout_says_where_to_submit_from(script, tmp_path):
+    """SLURM runs a copy of the script from its spool: submitted from elsewhere, common.sh was a bash error."""
+    env = {**os.environ, "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "7"}
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"megaformer: {tmp_path} is not a megaformer checkout: cd to it, then sbatch slurm/{script}"
+    ], proc.stderr
+
+
 def test_launch_under_fake_slurm(tmp_path):
     corpus = tmp_path / "corpus"
     prep = subprocess.run(

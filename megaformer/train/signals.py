@@ -8,9 +8,9 @@
 
 | parent death | the launcher (torchrun, ``megaformer train --nproc``, slurmstepd) died, e.g. torchrun killed by a USR1 it does not handle | treated as ``SIGTERM``: saves if the peers can still agree, exits 143; a watchdog ends the process ``parent_grace_s`` later whatever it is doing |
 
-A job that received the warning before finishing a single step does not requeue (it
-would only loop: the time limit is too short to make progress), and a job is requeued
-at most once per run of the script.
+A warning is taken at the end of a step: a job warned during its start-up trains one step,
+saves it and requeues, so that every attempt makes progress; a job is requeued at most
+once per run of the script.
 
 Ranks never outlive their launcher: torchrun starts each rank in a session of its own, so
 a signal that kills torchrun does not reach them, and a rank blocked in a collective runs
