@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_helpers import FAKES, records
 
 from megaformer import cli
 from megaformer.checkpoint import check_complete, find_latest, list_checkpoints, sha256_of
@@ -28,7 +29,6 @@ from megaformer.train.run_lock import LOCK_NAME, Holder, RunLock
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
-FAKES = ROOT / "tests" / "fakes"
 QUICK = [
     "data.max_tokens=512",
     "data.num_workers=0",
@@ -362,8 +362,7 @@ def test_a_resume_with_nothing_left_does_not_validate_again(shared_data, tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to train" in again.stdout
     assert not [line for line in again.stdout.splitlines() if line.startswith("valid ")], again.stdout
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in records if r.get("kind") == "valid"] == [4, 6]
+    assert [r["step"] for r in records(run, "valid")] == [4, 6]
 
 
 def test_a_signal_save_at_the_last_step_is_validated_once_on_resume(shared_data, tmp_path):
@@ -378,8 +377,7 @@ def test_a_signal_save_at_the_last_step_is_validated_once_on_resume(shared_data,
     for _ in range(2):
         again = _train(run, shared_data, *sets)
         assert again.returncode == 0 and "nothing to train" in again.stdout, again.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in records if r.get("kind") == "valid"] == [4, 6]
+    assert [r["step"] for r in records(run, "valid")] == [4, 6]
 
 
 @pytest.mark.parametrize(

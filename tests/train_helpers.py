@@ -77,10 +77,15 @@ def megaformer(*args, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
+def records(run_dir: Path, kind: str) -> list[dict]:
+    """Every record of ``kind`` (train, valid) in metrics.jsonl, in the order logged."""
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in rows if r["kind"] == kind]
+
+
 def train_records(run_dir: Path) -> list[dict]:
     """Every training record in metrics.jsonl, in the order logged (a resumed run logs the replayed steps again)."""
-    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-    return [r for r in rows if r["kind"] == "train"]
+    return records(run_dir, "train")
 
 
 def losses(run_dir: Path) -> dict[int, dict]:
