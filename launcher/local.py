@@ -183,7 +183,8 @@ def report_failures(reports: list[tuple[float, int, str, str]], codes: list[int 
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
-    """Run ``fn(*args)`` in ``world_size`` new processes; return the first failing rank's exit status.
+    """Run ``fn(*args)`` in ``world_size`` new processes; return the first failing rank's exit status (128 + N if
+    signal N killed it, as a shell says).
 
     ``fn`` must be importable (a module-level function). Torch threads are divided
     among the ranks so that N processes do not oversubscribe the cores. With
@@ -245,10 +246,15 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             break
     report_failures(reports, codes, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:
-        worst = max((abs(c) for c in codes if c), default=0)
+        worst = max((shell_status(c) for c in codes if c), default=0)
     elif worst != 124:
         worst = first_failure_status(reports, codes, worst)
-    return worst
+    return shell_status(worst)
+
+
+def shell_status(code: int) -> int:
+    """A process's exit code as a shell reports it: 128 + N for one killed by signal N (Python's -N)."""
+    return 128 - code if code < 0 else code
 
 
 def first_failure_status(reports: list[tuple[float, int, str, str]], codes: list[int | None], polled: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -129,6 +130,18 @@ def test_first_failing_rank_is_the_last_line(capfd):
     assert code == 2
     assert lines[-1] == "rank 1 failed first: error: rank-specific bad input: set x.y to 3", err[-2000:]
     assert "Traceback" not in err  # the peers' connection errors are one line each
+
+
+def _killed_by(signum: int) -> int:
+    os.kill(os.getpid(), signum)
+    time.sleep(30)
+    return 0
+
+
+def test_a_rank_killed_by_a_signal_is_the_shells_status(capfd):
+    """A rank killed by SIGKILL (the OOM killer) made `megaformer train --nproc` exit 247 (Python's -9 as a status)."""
+    assert spawn(_killed_by, 1, signal.SIGKILL, timeout_s=120) == 128 + signal.SIGKILL
+    assert "rank 0: killed by signal SIGKILL" in capfd.readouterr().err
 
 
 _KEPT: list = []

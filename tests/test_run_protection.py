@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -496,6 +498,32 @@ def test_a_peer_that_never_joins_is_one_line_naming_the_rendezvous(shared_data, 
         held.close()
     line = _one_line_error(proc, "rank 0 of 2: the ranks did not all meet at env://")
     assert "1/2 clients joined" in line and "parallel.timeout_minutes" in line
+
+
+def test_sigterm_ends_a_rank_waiting_for_its_peers_at_once(shared_data, tmp_path):
+    """A rank whose peer failed before the rendezvous (srun then TERMs the rest) held TERM until SIGKILL:
+    under SLURM the job ended 137, KillWait seconds later, instead of with the failure's status."""
+    from launcher.local import reserve_port
+
+    held = reserve_port()
+    port = held.getsockname()[1]
+    env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "2"}
+    argv = _train_argv(tmp_path / "run", shared_data, "parallel.timeout_minutes=2")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until rank 0's store listens: the rank waits in the rendezvous
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == -signal.SIGTERM
+    finally:
+        held.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_a_save_that_cannot_be_written_leaves_the_earlier_checkpoints(finished, tmp_path, monkeypatch):

@@ -85,7 +85,7 @@ def check_launch(cfg: Config, world: int) -> None:
 
 @contextmanager
 def launch_scope() -> Iterator[None]:
-    """USR1/TERM held from here until the trainer handles them; the signal mask and launch variables restored after.
+    """USR1 held from here until the trainer handles it; the signal mask and launch variables restored after.
 
     A caller in this process gets its mask and environment back (a one-process run exports
     RANK, WORLD_SIZE, ... for env://, which a later command in the process would take as its launch).
@@ -93,7 +93,7 @@ def launch_scope() -> Iterator[None]:
     from launcher.env import LAUNCH_VARIABLES
     from megaformer.train.signals import hold_signals
 
-    held = hold_signals()  # USR1/TERM during start-up wait for the trainer instead of killing the rank
+    held = hold_signals()  # a warning during start-up waits for the trainer instead of killing the rank
     launch_env = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     try:
         yield

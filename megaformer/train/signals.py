@@ -3,7 +3,7 @@
 | signal | sent by | the trainer |
 | --- | --- | --- |
 | ``SIGUSR1`` | SLURM, ``--signal=B:USR1@180`` (forwarded by the batch script): the time limit or a preemption is near | saves a checkpoint, requeues the job once (``scontrol requeue $SLURM_JOB_ID``), exits 0 |
-| ``SIGTERM`` | ``scancel``, the time limit without a warning, a node going down | saves if it can, does not requeue, exits 143 |
+| ``SIGTERM`` | ``scancel``, the time limit without a warning, a node going down | saves if it can, does not requeue, exits 143; before the first step, a rank stops at once (143) |
 | ``SIGINT`` | Ctrl-C in the terminal (the whole process group: launcher, ranks, loader workers), once training runs | as ``SIGTERM``, exits 130; before the first step, a rank stops at once (130) |
 
 | parent death | the launcher (torchrun, ``megaformer train --nproc``, slurmstepd) died, e.g. torchrun killed by a USR1 it does not handle | treated as ``SIGTERM``: saves if the peers can still agree, exits 143; a watchdog ends the process ``parent_grace_s`` later whatever it is doing |
@@ -37,18 +37,23 @@ EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 
-HANDLED = {signal.SIGUSR1, signal.SIGTERM}
+HELD = {signal.SIGUSR1}
 
 
 def hold_signals() -> set[signal.Signals]:
-    """Block USR1 and TERM from start-up until :class:`SignalWatch` handles them; returns the mask before.
+    """Block USR1 from start-up until :class:`SignalWatch` handles it; returns the mask before.
 
     A warning that arrives while a rank is still importing or building its engine would
     otherwise kill it (USR1's default action). Blocked, it stays pending and reaches the
     handler the moment the watch starts: the rank trains a step, saves and requeues.
     The mask is inherited by processes started meanwhile (local ranks unblock in their watch).
+
+    TERM is not held: before the first step a rank has trained nothing to save, and one
+    waiting in the rendezvous for a peer that failed (a run directory another job holds,
+    a bad config) could not act on it anyway; it would wait for SLURM's SIGKILL, KillWait
+    seconds later, and the job would end 137 instead of with the first failure's status.
     """
-    return signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+    return signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
 
 
 class Launcher:
@@ -76,7 +81,7 @@ class SignalWatch:
         self._previous = {}
         for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE), (signal.SIGINT, TERMINATE)):
             self._previous[sig] = signal.signal(sig, lambda signum, _, w=what: self._note(w, signum))
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # a signal held since start-up arrives now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)  # a warning held since start-up arrives now
         self._stop = threading.Event()
         self._watchdog = threading.Thread(
             target=self._watch_parent, args=(Launcher(), parent_grace_s, poll_s), name="parent-watchdog", daemon=True
