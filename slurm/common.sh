@@ -27,14 +27,30 @@ cd "${SLURM_SUBMIT_DIR:-$PWD}"
 : "${SLURM_JOB_ID:?run this script with sbatch}"
 RUN_DIR=${RUN_DIR:-runs/${SLURM_JOB_NAME:-megaformer}-${SLURM_JOB_ID}}
 PYTHON=${PYTHON:-.venv/bin/python}
+command -v "$PYTHON" >/dev/null || {
+    echo "megaformer: PYTHON=$PYTHON is not there: run \`make install\` in $PWD, or set PYTHON to megaformer's python" >&2
+    exit 2
+}
 CPUS=${SLURM_CPUS_PER_TASK:-1}
 export OMP_NUM_THREADS=$CPUS
 LAUNCHER=${LAUNCHER:-srun}
-mkdir -p "$RUN_DIR"
 NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, || true)
 echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s) [${NODES}], launcher ${LAUNCHER}, run dir ${RUN_DIR}"
 
 TRAIN=(-m megaformer.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@")
+case "$LAUNCHER" in
+srun) WORLD=${SLURM_NTASKS:-1} ;;
+torchrun) WORLD=$((${SLURM_JOB_NUM_NODES:-1} * ${SLURM_NTASKS_PER_NODE:-1})) ;;
+*)
+    echo "megaformer: LAUNCHER=$LAUNCHER: use srun or torchrun" >&2
+    exit 2
+    ;;
+esac
+# Checked once, here, before any task starts (a fraction of a second: no torch): a bad config,
+# layout or data path, or a run directory another job trains into, is one line and exit 2, instead
+# of a message from every rank and a job status that depends on which rank srun stopped first.
+"$PYTHON" "${TRAIN[@]}" --check --nproc "$WORLD" || exit $?
+
 case "$LAUNCHER" in
 srun)
     # Each task ignores USR1 until the trainer handles it (an early warning must not kill a rank
@@ -52,10 +68,6 @@ torchrun)
         --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "${NODES%%,*}:$((20000 + SLURM_JOB_ID % 20000))" \
         "${TRAIN[@]}" &
-    ;;
-*)
-    echo "megaformer: LAUNCHER=$LAUNCHER: use srun or torchrun" >&2
-    exit 2
     ;;
 esac
 SRUN_PID=$!

@@ -143,6 +143,28 @@ def test_a_requeued_slurm_job_waits_for_its_earlier_self_then_takes_over(tmp_pat
     holder.wait(timeout=10)
 
 
+def test_check_free_refuses_another_holder_and_takes_nothing(tmp_path):
+    """`train --check` (a SLURM job's batch shell, before srun): acquire's verdict, without the lock."""
+    run = tmp_path / "run"
+    RunLock(run, None).check_free()  # nothing there: free, and nothing made
+    assert not run.exists()
+    holder = _holder(run, job="4242")
+    try:
+        with pytest.raises(ConfigError, match=rf"pid {holder.pid} on .*SLURM job 4242.*another --run-dir"):
+            RunLock(run, "777").check_free()
+        with pytest.raises(ConfigError, match=rf"pid {holder.pid}"):
+            RunLock(run, None).check_free()
+        RunLock(run, "4242").check_free()  # a requeued job's earlier attempt: its ranks take the lock over
+        record = (run / LOCK_NAME).read_text()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run / LOCK_NAME).read_text() == record  # the checks wrote nothing
+    RunLock(run, "777").check_free()  # the record of a holder that is gone: the flock is free
+    with _lock_held_by(RELEASING, tmp_path / "other", b"cleared"):  # a record cleared: changing hands, not held
+        RunLock(tmp_path / "other", "777").check_free()
+
+
 RELEASING = """
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)

@@ -2,8 +2,10 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,16 +54,22 @@ def test_a_job_submitted_from_outside_the_checkout_says_where_to_submit_from(scr
     ], proc.stderr
 
 
-def test_launch_under_fake_slurm(tmp_path):
-    corpus = tmp_path / "corpus"
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus") / "synthetic"
     prep = subprocess.run(
-        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "300", "--out", str(corpus), "--quiet"],
+        [sys.executable, "-m", "megaformer.cli", "prepare", "--synthetic", "300", "--out", str(out), "--quiet"],
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=300,
     )
     assert prep.returncode == 0, prep.stderr
+    return out
+
+
+def _fake_slurm(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A submit directory (a checkout's slurm/) and a 2-task job's environment under tests/fakes' srun."""
     submit = tmp_path / "submit"
     submit.mkdir()
     (submit / "slurm").symlink_to(ROOT / "slurm")
@@ -81,6 +89,64 @@ def test_launch_under_fake_slurm(tmp_path):
         "DS_ACCELERATOR": "cpu",  # CPU tensors, also where CUDA is visible
         "FAKE_SCONTROL_LOG": str(tmp_path / "scontrol.log"),
     }
+    return submit, env
+
+
+def _refused_before_srun(proc: subprocess.CompletedProcess, run: Path, fragment: str) -> None:
+    """Exit 2, one line on stderr, and no task started: no rank's line, no run directory."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr
+    assert "train: " not in proc.stdout and not run.exists(), proc.stdout
+
+
+def test_a_config_error_is_one_line_before_any_task_starts(corpus, tmp_path):
+    """Every rank printed the error, and srun's status was 2, 143 or 137 by which rank it stopped first."""
+    submit, env = _fake_slurm(tmp_path)
+    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.tp=3"]
+    proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    _refused_before_srun(
+        proc, submit / "runs" / "megaformer-base-31337", "parallel.tp=3 does not divide the world size 2"
+    )
+
+
+def test_a_run_directory_another_job_trains_into_is_refused_before_any_task_starts(corpus, tmp_path):
+    """Rank 0 refused in one line, but its peers waited for it in the rendezvous until SLURM killed them."""
+    from megaformer.train.run_lock import RunLock
+
+    submit, env = _fake_slurm(tmp_path)
+    run = tmp_path / "busy"
+    with RunLock(run, "4242"):  # another job's training, in this process
+        env["RUN_DIR"] = str(run)
+        script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}"]
+        proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"megaformer train: error: --run-dir {run}: another training writes there "
+            f"(pid {os.getpid()} on {socket.gethostname()}, SLURM job 4242, since {_since(run)}); wait for it to "
+            f"end, or give this run another --run-dir"
+        ], proc.stderr
+        assert "train: " not in proc.stdout and sorted(p.name for p in run.iterdir()) == [".lock"], proc.stdout
+
+
+def _since(run: Path) -> str:
+    from megaformer.train.run_lock import read_holder
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(read_holder(run / ".lock").started))
+
+
+def test_a_python_that_is_not_there_is_one_line(tmp_path):
+    submit, env = _fake_slurm(tmp_path)
+    env["PYTHON"] = ".venv/bin/no-python"
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "train_base.sh")], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"megaformer: PYTHON=.venv/bin/no-python is not there: run `make install` in {submit}, or set PYTHON to "
+        "megaformer's python"
+    ], proc.stderr
+
+
+def test_launch_under_fake_slurm(corpus, tmp_path):
+    submit, env = _fake_slurm(tmp_path)
     proc = subprocess.run(
         [
             "bash",
@@ -108,6 +174,7 @@ def test_launch_under_fake_slurm(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = submit / "runs" / "megaformer-base-31337"
+    assert "train: checked: 2 processes (tp=1 dp=2 pp=1)" in proc.stdout  # by the batch shell, before srun
     assert "tp=1 dp=2" in proc.stdout  # two ranks found each other through the SLURM variables
     assert '"kind": "train", "step": 1,' in (run / "metrics.jsonl").read_text()
     assert (run / "checkpoints" / "step-00000001" / "meta.json").is_file()

@@ -49,6 +49,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed; 0 = one",
     )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, the layout for --nproc processes, the data and the run directory (not held by "
+        "another training), say what would run, and exit without training",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,7 +80,24 @@ def _train(args: argparse.Namespace) -> int:
             f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
         )
     check_launch(cfg, world)  # fail before any process starts
+    if args.check:
+        return _checked(cfg, run_dir, world, resume)
     return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
+
+
+def _checked(cfg, run_dir: str, world: int, resume: str) -> int:
+    """``--check``: the run directory is free too; one line says what would run (slurm/common.sh, before srun)."""
+    from megaformer.parallel import ParallelLayout
+    from megaformer.train.launch import run_lock
+
+    run_lock(run_dir).check_free()
+    layout = ParallelLayout.from_config(cfg.parallel, world)
+    processes = f"{world} process{'es' if world > 1 else ''}"
+    print(
+        f"train: checked: {processes} (tp={layout.tp} dp={layout.dp} pp={layout.pp}), data {cfg.data.path}, "
+        f"run dir {run_dir} (resume {resume}): nothing started"
+    )
+    return 0
 
 
 def _resume_in(run_dir: Path, resume: str, say) -> str:

@@ -107,6 +107,7 @@ class RunLock:
         # (acquire) or has just cleared it (release, before unlocking). Look again for a moment from
         # when it was first seen so: a requeued job's earlier self may clear it seconds into the wait.
         empty_since = None
+        looked_again = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -125,19 +126,48 @@ class RunLock:
                 time.sleep(0.02)
                 continue
             same_job = holder is not None and self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id
-            if not same_job or time.monotonic() >= deadline:
+            if (not same_job and looked_again) or time.monotonic() >= deadline:
                 raise ConfigError(self._held_message(holder))
-            time.sleep(0.5)  # our own job's earlier incarnation (requeued) is still letting go
+            # Our own job's earlier incarnation (requeued) is still letting go; another holder is looked
+            # at once more, 0.1 s on: a `train --check` of another job holds the flock for an instant.
+            time.sleep(0.5 if same_job else 0.1)
+            looked_again = not same_job
 
-    def _refuse_unless_gone(self, holder: Holder | None) -> None:
+    def check_free(self) -> None:
+        """Refuse, as :meth:`acquire` would, a run directory another training holds; take and write nothing.
+
+        For a check before any rank starts (``megaformer train --check``). A holder of this
+        SLURM job (a requeued job's earlier attempt, still ending) is let be: the ranks wait
+        for it and take the lock over. A record left by a holder that is gone says nothing
+        while nobody holds the flock; without flock, the record is all there is.
+        """
+        holder = read_holder(self.path)
+        if holder is None or (self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as err:
+            raise ConfigError(f"{self.path}: cannot read the run directory's lock ({err.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared, for an instant: a writer's would fail
+        except OSError as err:
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                self._refuse_unless_gone(holder, log=lambda line: None)
+                return
+            raise ConfigError(self._held_message(holder)) from None
+        finally:
+            os.close(fd)
+
+    def _refuse_unless_gone(self, holder: Holder | None, log: Callable[[str], None] | None = None) -> None:
         """Without flock: take over only a holder that is gone from this host, or one of our own SLURM job."""
+        log = log or self.log
         if holder is None or holder.pid == self.me.pid:
             return
         if self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id:
-            self.log(f"train: took over the run directory's lock from {holder.describe()} (the same SLURM job)")
+            log(f"train: took over the run directory's lock from {holder.describe()} (the same SLURM job)")
             return
         if holder.host == self.me.host and not holder.is_alive_here():
-            self.log(f"train: took over the run directory's lock from {holder.describe()} (no longer running)")
+            log(f"train: took over the run directory's lock from {holder.describe()} (no longer running)")
             return
         raise ConfigError(self._held_message(holder))
 
