@@ -253,6 +253,11 @@ def test_two_trainings_on_one_run_dir_the_second_is_refused_and_the_first_keeps_
         assert time.monotonic() - began < 10  # refused before any work: Python's start-up and one config read
         line = _one_line_error(second, f"--run-dir {run}: another training writes there (pid {first.pid}")
         assert "another --run-dir" in line
+        check = _train(run, data, "train.max_steps=30", extra=("--check",))  # the same verdict, the lock not taken
+        _one_line_error(check, f"--run-dir {run}: another training writes there (pid {first.pid}")
+        fresh = _train(tmp_path / "fresh", data, extra=("--check",))
+        assert fresh.returncode == 0 and "train: checked: 1 process (tp=1 dp=1 pp=1)" in fresh.stdout, fresh.stderr
+        assert not (tmp_path / "fresh").exists()  # a check writes nothing
         out, err = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
