@@ -202,6 +202,8 @@ def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, referenc
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert log.count("(requeued)") == 1 and "(restart 1)" in log, log[-3000:]
     assert "train: resumed from" in log, log[-3000:]
+    # The requeue's SIGTERM came while the ranks closed their loaders and process groups, and killed them.
+    assert "Terminated" not in log and "took over" not in log, log[-3000:]
     assert losses(run) == losses(reference[0])  # fp32, dropout on: bitwise the uninterrupted curve
 
 
@@ -219,7 +221,7 @@ def test_scancel_saves_and_operator_requeue_resumes(cluster):
     log = out.read_text()
     assert info["JobState"] == "CANCELLED" and info["Restarts"] == "1", log[-3000:]
     assert f"resumed from {run}/checkpoints/step-{first[0]:08d}" in log  # the second attempt resumed the first's save
-    assert log.count("after SIGTERM (saved, not requeued)") >= 2, log[-3000:]  # requeue and scancel both save
+    assert log.count("after SIGTERM (saved)") >= 2, log[-3000:]  # requeue and scancel both save
     assert saved_steps(run)[-1] > first[0]
 
 

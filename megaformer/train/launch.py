@@ -85,7 +85,8 @@ def check_launch(cfg: Config, world: int) -> None:
 
 @contextmanager
 def launch_scope() -> Iterator[None]:
-    """USR1 held from here until the trainer handles it; the signal mask and launch variables restored after.
+    """USR1 held from here until the trainer handles it; the signal mask, TERM's handler and the launch variables
+    restored after.
 
     A caller in this process gets its mask and environment back (a one-process run exports
     RANK, WORLD_SIZE, ... for env://, which a later command in the process would take as its launch).
@@ -94,10 +95,12 @@ def launch_scope() -> Iterator[None]:
     from megaformer.train.signals import hold_signals
 
     held = hold_signals()  # a warning during start-up waits for the trainer instead of killing the rank
+    term = signal.getsignal(signal.SIGTERM)  # ignored after a requeue until here (SignalWatch.restore)
     launch_env = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     try:
         yield
     finally:
+        signal.signal(signal.SIGTERM, term)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for name, value in launch_env.items():
             if value is None:

@@ -76,7 +76,7 @@ class SignalWatch:
 
     def __init__(self, parent_grace_s: float = 120.0, poll_s: float = 0.5) -> None:
         self.received = NONE
-        self.requeued = False
+        self.requeued = False  # this rank stops after a warning: the job is (or may be) requeued
         self.stopped_by = "SIGTERM"  # what TERMINATE came from, for the log and the exit status
         self._previous = {}
         for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE), (signal.SIGINT, TERMINATE)):
@@ -115,9 +115,16 @@ class SignalWatch:
                 return
 
     def restore(self) -> None:
+        """Put back the handlers found; after a requeue (:attr:`requeued`) SIGTERM stays ignored.
+
+        SLURM ends a requeued attempt with SIGTERM while its ranks close their loaders, logs
+        and process groups: it cut that short (srun: "tasks 0-1: Terminated"; the next attempt
+        took the lock over from a killed holder). :func:`megaformer.train.launch.launch_scope`
+        restores the handler the command found; SLURM's SIGKILL still ends a rank that hangs.
+        """
         self._stop.set()
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            signal.signal(sig, signal.SIG_IGN if self.requeued and sig == signal.SIGTERM else previous)
 
 
 def requeue(made_progress: bool, log=print) -> bool:

@@ -12,11 +12,10 @@ own state is the tokens and training time so far and the best validation BLEU;
 :meth:`Trainer.save` hands every component's state to :mod:`megaformer.checkpoint`,
 which places and writes them.
 
-Validation (every ``train.eval_interval`` steps, and at the last step) computes the loss
-over the valid split and greedy BLEU on its first ``train.eval_bleu_sentences`` sentences
-(:class:`megaformer.train.validation.Validation`). When BLEU beats the best so far, that step is saved
-(reason "best" if the schedule did not save it) and named in ``RUN/checkpoints/best``,
-which pruning keeps, as fairseq's ``--eval-bleu`` keeps ``checkpoint_best.pt``.
+Validation (every ``train.eval_interval`` steps, and at the last step) computes the loss over the valid split
+and greedy BLEU on its first ``train.eval_bleu_sentences`` sentences (:class:`megaformer.train.validation.Validation`).
+When BLEU beats the best so far, that step is saved (reason "best" if the schedule did not save it) and named
+in ``RUN/checkpoints/best``, which pruning keeps, as fairseq's ``--eval-bleu`` keeps ``checkpoint_best.pt``.
 """
 
 from __future__ import annotations
@@ -336,11 +335,12 @@ class Trainer:
                 self._after_step(logger, window, signal, end, bool(due), watch.stopped_by)
                 step = self.engine.global_steps
                 if signal == REQUEUE:
+                    watch.requeued = True
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
                     self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
                     return 0
                 if signal == TERMINATE:  # a peer's SIGTERM is this rank's too; Ctrl-C reaches every rank
-                    self.log(f"train: stopping at step {step} after {watch.stopped_by} (saved, not requeued)")
+                    self.log(f"train: stopping at step {step} after {watch.stopped_by} (saved)")
                     return watch.exit_status
                 if up:
                     self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")
