@@ -46,6 +46,7 @@ def paths(tmp_path_factory):
     (root / "bool.yaml").write_text("parallel:\n  tp: true\n")
     (root / "nodata.yaml").write_text("data:\n  path: " + str(root / "missing-data") + "\n")
     (root / "utf16.yaml").write_text("train:\n  max_steps: 10\n", encoding="utf-16")
+    os.mkfifo(root / "fifo")  # never opened: a named pipe given twice is refused from its stat
     return {
         "file": root / "file.txt",
         "empty": root / "empty.txt",
@@ -58,6 +59,7 @@ def paths(tmp_path_factory):
         "nodata_yaml": root / "nodata.yaml",
         "utf16_yaml": root / "utf16.yaml",
         "tiny": TINY_CONFIG,
+        "fifo": root / "fifo",
     }
 
 
@@ -164,7 +166,8 @@ PATHS = [
     (("evaluate", "--ckpt", "{model}", "--input", "{file}", "--ref", "{missing}"), "argument --ref: "),
     (EVALUATE + ("--output", "{file}"), "--output"),
     (("evaluate", "--ckpt", "{model}", "--input", "{empty}", "--ref", "{empty}"), "hold no sentences"),
-    (("evaluate", "--ckpt", "{model}", "--input", "-", "--ref", "-"), "standard input can be only one of them"),
+    (("evaluate", "--ckpt", "{model}", "--input", "-", "--ref", "-"), "one stream (standard input or a pipe)"),
+    (("evaluate", "--ckpt", "{model}", "--input", "{fifo}", "--ref", "{fifo}"), "one stream (standard input or a"),
     ((*EVALUATE, "--output", "-", "--json"), "the hypotheses and the JSON object would share stdout"),
     (("train", "--config", "{missing}"), "argument --config: "),
     (("train", "--config", "{tiny}", "--run-dir", "{file}"), "argument --run-dir: "),
@@ -202,6 +205,15 @@ def test_values_outside_their_domain_are_refused(argv, fragment, run, paths):
 @pytest.mark.parametrize("argv, fragment", PATHS, ids=[_case_id(r) for r in PATHS])
 def test_wrong_paths_are_refused_before_any_work(argv, fragment, run, paths):
     assert_one_line_error(*run(*expand(argv, paths))[::2], fragment)
+
+
+def test_standard_input_under_two_names_is_refused(paths):
+    """`--input /dev/stdin --ref -` read the pipe twice: the references came out empty ("has 3 lines but - has 0")."""
+    argv = [sys.executable, "-m", "megaformer.cli", "evaluate", "--ckpt", str(paths["model"])]
+    argv += ["--input", "/dev/stdin", "--ref", "-"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(argv, input="a\nb\nc\n", capture_output=True, text=True, env=env, timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, "--input /dev/stdin and --ref -: one stream (standard input")
 
 
 # ---- every option is checked ----------------------------------------------------------------------

@@ -15,6 +15,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import stat
 
 from sacrebleu.metrics import BLEU
 
@@ -66,9 +68,25 @@ def check_tokenizer(name: str) -> None:
         logger.setLevel(level)
 
 
+def one_stream(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` would read one stream: ``-`` twice, or standard input, a pipe or a terminal under
+    two names (``-`` and ``/dev/stdin``, ``/dev/fd/0``, a FIFO given twice). The first to read would take it all.
+    A regular file under two names is two reads of it, which is fine."""
+    if a == b == "-":
+        return True
+    try:
+        first, second = (os.fstat(0) if path == "-" else os.stat(path) for path in (a, b))
+    except OSError:
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino) and not stat.S_ISREG(first.st_mode)
+
+
 def main(args: argparse.Namespace) -> int:
-    if str(args.input) == "-" and str(args.ref) == "-":
-        raise DataError("--input - and --ref -: standard input can be only one of them; give the other as a file")
+    if one_stream(str(args.input), str(args.ref)):
+        raise DataError(
+            f"--input {args.input} and --ref {args.ref}: one stream (standard input or a pipe) can feed only one of "
+            f"them; give the other as a file"
+        )
     if args.json and args.output is not None and str(args.output) == "-":
         raise DataError(
             "--output - with --json: the hypotheses and the JSON object would share stdout; "
