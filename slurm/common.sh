@@ -19,6 +19,7 @@
 # USR1 and dies of it (its ranks then see their launcher gone, save and exit without requeueing):
 # `--signals-to-handle ...SIGUSR1` makes it pass USR1 on, so the ranks save and requeue as under
 # srun, and TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives them time to save before it kills them.
+# launcher/torchrun.py is torch's torchrun, ending on such a signal with a status instead of a traceback.
 
 set -euo pipefail
 
@@ -64,7 +65,7 @@ torchrun)
     NNODES=${SLURM_JOB_NUM_NODES:-1}
     srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
         --cpus-per-task="$((CPUS * PER_NODE))" \
-        "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$PER_NODE" \
+        "$PYTHON" -m launcher.torchrun --nnodes "$NNODES" --nproc-per-node "$PER_NODE" \
         --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "${NODES%%,*}:$((20000 + SLURM_JOB_ID % 20000))" \
         "${TRAIN[@]}" &

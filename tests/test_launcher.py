@@ -389,3 +389,34 @@ def test_env_command_outside_slurm_says_there_is_no_node_list():
     )
     assert proc.returncode == 0, proc.stderr
     assert "nodes                  (no SLURM node list: this host)" in proc.stdout.splitlines(), proc.stdout
+
+
+RANK_THAT_STOPS = """
+import os, signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(0))  # as the trainer: saves, requeues, exits 0
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # saves, exits 143
+open(sys.argv[1], "w").close()
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGUSR1, 0)])
+def test_torchrun_stopped_by_a_signal_is_a_status_not_a_traceback(tmp_path, sig, status):
+    """LAUNCHER=torchrun: every requeue and scancel ended with torchrun's SignalException traceback and status 1."""
+    script, ready = tmp_path / "rank.py", tmp_path / "ready"
+    script.write_text(RANK_THAT_STOPS)
+    argv = [sys.executable, "-m", "launcher.torchrun", "--standalone", "--nproc-per-node", "1"]
+    argv += ["--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1", str(script), str(ready)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == status and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"torchrun: stopped by {sig.name}, passed on to the ranks: exit {status}"

@@ -227,7 +227,7 @@ def test_scancel_saves_and_operator_requeue_resumes(cluster):
 
 def _task_pids(node: str, run: Path) -> list[int]:
     """Pids of the training processes of ``run`` (ranks, not torchrun) on one node of the cluster."""
-    return [p for p in _pids(node, "megaformer.cli", str(run)) if p not in _pids(node, "torch.distributed.run")]
+    return [p for p in _pids(node, "megaformer.cli", str(run)) if p not in _pids(node, "launcher.torchrun")]
 
 
 def test_lost_node_ends_job_and_resubmission_resumes(cluster):
@@ -305,7 +305,7 @@ def test_torchrun_across_nodes_usr1_requeues_and_ranks_die_with_it(cluster):
     first = saved_steps(run)
     assert first, out.read_text()[-3000:]
     wait_step(run, first[-1] + 3)
-    launchers = _pids("n1", "torch.distributed.run", str(run)) + _pids("n2", "torch.distributed.run", str(run))
+    launchers = _pids("n1", "launcher.torchrun", str(run)) + _pids("n2", "launcher.torchrun", str(run))
     assert len(launchers) == 2
     started = time.monotonic()
     for pid in launchers:
@@ -319,4 +319,6 @@ def test_torchrun_across_nodes_usr1_requeues_and_ranks_die_with_it(cluster):
     log = out.read_text()
     assert log.count("(requeued)") == 1 and "train: resumed from" in log, log[-3000:]
     assert "is gone: saving and stopping" in log, log[-3000:]
+    # torchrun raised SignalException out of its main at the requeue: a traceback per node, status 1
+    assert "Traceback" not in log and "torchrun: stopped by SIG" in log, log[-3000:]
     assert took < 150 and info["JobState"] in {"FAILED", "COMPLETED"}, log[-3000:]
