@@ -201,19 +201,29 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
         ctx.Process(target=_entry, args=(fn, rank, world_size, port, threads, args, errors, parent), daemon=False)
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
     # Pass SIGTERM / SIGINT / SIGUSR1 sent to this launcher on to every rank (they save and
-    # stop together), instead of dying and leaving the ranks running.
+    # stop together), instead of dying and leaving the ranks running. One that comes while the
+    # ranks start (seconds: the fork server imports torch) is passed again once all have started:
+    # it killed the launcher and left the ranks started so far waiting for the others.
     forwarded = []
 
-    def forward(signum, frame):
-        forwarded.append(signum)
+    def forward(signum, frame, record=True):
+        if record:
+            forwarded.append(signum)
         for p in procs:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        for p in procs:
+            p.start()
+    except BaseException:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        raise
+    for signum in dict.fromkeys(forwarded):
+        forward(signum, None, record=False)
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
     worst = 0

@@ -144,6 +144,36 @@ def test_a_rank_killed_by_a_signal_is_the_shells_status(capfd):
     assert "rank 0: killed by signal SIGKILL" in capfd.readouterr().err
 
 
+def _sleeper() -> int:
+    time.sleep(60)
+    return 0
+
+
+TERM_WHILE_STARTING = """
+import os, signal, sys
+import multiprocessing.process as mpp
+from launcher.local import spawn
+import test_launcher as t
+
+real = mpp.BaseProcess.start
+def start(self):
+    real(self)
+    os.kill(os.getpid(), signal.SIGTERM)  # to the launcher, between starting its first rank and its second
+mpp.BaseProcess.start = start
+print(spawn(t._sleeper, 2, timeout_s=100))
+"""
+
+
+def test_sigterm_while_the_launcher_starts_its_ranks_reaches_every_rank():
+    """It killed the launcher and left the ranks started so far waiting in the rendezvous for the others."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", TERM_WHILE_STARTING], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0 and proc.stdout.split() == [str(128 + signal.SIGTERM)], proc.stdout + proc.stderr
+    assert proc.stderr.count("killed by signal SIGTERM") == 2, proc.stderr
+
+
 _KEPT: list = []
 
 
