@@ -40,7 +40,7 @@ echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${S
 
 TRAIN=(-m megaformer.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@")
 case "$LAUNCHER" in
-srun) WORLD=${SLURM_NTASKS:-1} ;;
+srun) WORLD=${SLURM_NTASKS:-${SLURM_JOB_NUM_NODES:-1}} ;; # without --ntasks: one task per node, given to srun
 torchrun) WORLD=$((${SLURM_JOB_NUM_NODES:-1} * ${SLURM_NTASKS_PER_NODE:-1})) ;;
 *)
     echo "megaformer: LAUNCHER=$LAUNCHER: use srun or torchrun" >&2
@@ -57,7 +57,7 @@ srun)
     # Each task ignores USR1 until the trainer handles it (an early warning must not kill a rank
     # that is still starting); the trap below repeats the warning until srun is done.
     # shellcheck disable=SC2016  # expanded by the task's shell
-    srun --kill-on-bad-exit=1 --cpus-per-task="$CPUS" bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" "${TRAIN[@]}" &
+    srun --kill-on-bad-exit=1 --ntasks="$WORLD" --cpus-per-task="$CPUS" bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" "${TRAIN[@]}" &
     ;;
 torchrun)
     PER_NODE=${SLURM_NTASKS_PER_NODE:-1}

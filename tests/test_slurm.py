@@ -110,6 +110,18 @@ def test_a_config_error_is_one_line_before_any_task_starts(corpus, tmp_path):
     )
 
 
+def test_a_job_without_ntasks_is_checked_for_one_task_per_node(corpus, tmp_path):
+    """srun starts one task per node where the job gives no task count: the check counted one in all."""
+    submit, env = _fake_slurm(tmp_path)
+    del env["SLURM_NTASKS"]
+    env["SLURM_JOB_NUM_NODES"] = "3"
+    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.tp=2"]
+    proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    _refused_before_srun(
+        proc, submit / "runs" / "megaformer-base-31337", "parallel.tp=2 does not divide the world size 3"
+    )
+
+
 def test_a_run_directory_another_job_trains_into_is_refused_before_any_task_starts(corpus, tmp_path):
     """Rank 0 refused in one line, but its peers waited for it in the rendezvous until SLURM killed them."""
     from megaformer.train.run_lock import RunLock
