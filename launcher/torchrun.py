@@ -3,9 +3,10 @@
 torchrun handles the signals it is given (``--signals-to-handle``) by passing them to its ranks,
 waiting for them to stop, and raising ``SignalException`` out of its ``main``: every requeue
 and every ``scancel`` of a job ended with a Python traceback in the job's output and status 1,
-as if it had crashed. Here that exception is the stop it is. After SIGUSR1 (the time-limit
-warning: the ranks saved and requeued the job) the status is 0; after any other signal it is
-128 + the signal's number, as a shell reports a process the signal ended.
+as if it had crashed. Here that exception is the stop it is: one line naming the signal that
+stopped torchrun first (SLURM's SIGTERM for a requeued attempt often comes during the shutdown
+the warning began) and status 128 + its number, as a shell reports a process a signal ended.
+Whether the job goes on is SLURM's requeue, which ``slurm/common.sh`` asks SLURM about.
 
 Run as ``python -m launcher.torchrun`` with torchrun's own arguments.
 """
@@ -23,10 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         torchrun(argv)
     except SignalException as stop:
-        name = signal.Signals(stop.sigval).name
-        status = 0 if stop.sigval == signal.SIGUSR1 else 128 + stop.sigval
-        print(f"torchrun: stopped by {name}, passed on to the ranks: exit {status}", file=sys.stderr, flush=True)
-        return status
+        first = stop
+        while isinstance(first.__context__, SignalException):  # raised while handling an earlier one
+            first = first.__context__
+        name = signal.Signals(first.sigval).name
+        print(f"torchrun: stopped by {name}, passed on to the ranks: exit {128 + first.sigval}", file=sys.stderr)
+        return 128 + first.sigval
     return 0
 
 

@@ -320,5 +320,5 @@ def test_torchrun_across_nodes_usr1_requeues_and_ranks_die_with_it(cluster):
     assert log.count("(requeued)") == 1 and "train: resumed from" in log, log[-3000:]
     assert "is gone: saving and stopping" in log, log[-3000:]
     # torchrun raised SignalException out of its main at the requeue: a traceback per node, status 1
-    assert "Traceback" not in log and "torchrun: stopped by SIG" in log, log[-3000:]
+    assert "Traceback" not in log and "torchrun: stopped by SIGUSR1" in log, log[-3000:]
     assert took < 150 and info["JobState"] in {"FAILED", "COMPLETED"}, log[-3000:]
