@@ -329,7 +329,7 @@ def test_inspect_notices_a_deleted_shard_without_verify(run, tmp_path):
 
 
 def test_train_gives_an_in_process_caller_its_signal_mask_back(run, tmp_path):
-    """`train` holds USR1/TERM from its first line; a caller in the same process (a failed start here) gets them back."""
+    """`train` holds USR1 from its first line; a caller in the same process (a failed start here) gets it back."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
     code, _, err = run("train", "--config", TINY_CONFIG, "--set", f"data.path={tmp_path / 'nowhere'}")
     assert code != 0 and "nowhere" in err, err

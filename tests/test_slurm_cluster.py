@@ -202,8 +202,9 @@ def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, referenc
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert log.count("(requeued)") == 1 and "(restart 1)" in log, log[-3000:]
     assert "train: resumed from" in log, log[-3000:]
-    # The requeue's SIGTERM came while the ranks closed their loaders and process groups, and killed them.
-    assert "Terminated" not in log and "took over" not in log, log[-3000:]
+    # The requeue's SIGTERM came while the ranks closed their loaders and process groups, and killed them
+    # (srun's line; the batch shell's own `sleep` may be "Terminated" by it too, which is no matter).
+    assert not re.search(r"srun: error: \S+: tasks? [\d,-]+: Terminated", log) and "took over" not in log, log[-3000:]
     assert losses(run) == losses(reference[0])  # fp32, dropout on: bitwise the uninterrupted curve
 
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
-from megaformer.config import load_config
+from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megaformer.parallel import ParallelLayout
 
 
 def resume_policy(text: str) -> str:
@@ -79,19 +83,18 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
         )
-    check_launch(cfg, world)  # fail before any process starts
+    layout = check_launch(cfg, world)  # fail before any process starts
     if args.check:
-        return _checked(cfg, run_dir, world, resume)
+        return _checked(cfg, run_dir, layout, resume)
     return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
 
 
-def _checked(cfg, run_dir: str, world: int, resume: str) -> int:
+def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> int:
     """``--check``: the run directory is free too; one line says what would run (slurm/common.sh, before srun)."""
-    from megaformer.parallel import ParallelLayout
     from megaformer.train.launch import run_lock
 
     run_lock(run_dir).check_free()
-    layout = ParallelLayout.from_config(cfg.parallel, world)
+    world = layout.world_size
     processes = f"{world} process{'es' if world > 1 else ''}"
     print(
         f"train: checked: {processes} (tp={layout.tp} dp={layout.dp} pp={layout.pp}), data {cfg.data.path}, "

@@ -20,6 +20,7 @@ from megaformer.config import Config, check_precision
 from megaformer.errors import ConfigError, MegaformerWarning
 
 if TYPE_CHECKING:
+    from megaformer.parallel import ParallelLayout
     from megaformer.train.run_lock import RunLock
 
 
@@ -73,14 +74,16 @@ def check_direction(cfg: Config, manifest: dict, where: str) -> None:
             )
 
 
-def check_launch(cfg: Config, world: int) -> None:
-    """Everything that can be refused before a process starts: the layout for ``world`` ranks, the split, the data."""
+def check_launch(cfg: Config, world: int) -> ParallelLayout:
+    """Everything that can be refused before a process starts: the layout for ``world`` ranks (returned), the
+    split, the data."""
     from megaformer.parallel import ParallelLayout, check_model_split
 
     layout = ParallelLayout.from_config(cfg.parallel, world)
     check_model_split(cfg.model, layout.tp)
     check_precision(cfg.train)
     check_data(cfg)
+    return layout
 
 
 @contextmanager

@@ -154,7 +154,9 @@ class RunLock:
             if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 self._refuse_unless_gone(holder, log=lambda line: None)
                 return
-            raise ConfigError(self._held_message(holder)) from None
+            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(self._held_message(holder)) from None
+            raise ConfigError(f"{self.path}: cannot lock the run directory ({err.strerror})") from None
         finally:
             os.close(fd)
 

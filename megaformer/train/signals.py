@@ -3,7 +3,7 @@
 | signal | sent by | the trainer |
 | --- | --- | --- |
 | ``SIGUSR1`` | SLURM, ``--signal=B:USR1@180`` (forwarded by the batch script): the time limit or a preemption is near | saves a checkpoint, requeues the job once (``scontrol requeue $SLURM_JOB_ID``), exits 0 |
-| ``SIGTERM`` | ``scancel``, the time limit without a warning, a node going down | saves if it can, does not requeue, exits 143; before the first step, a rank stops at once (143) |
+| ``SIGTERM`` | ``scancel``, the time limit without a warning, a node going down | saves if it can, does not requeue, exits 143; during start-up, until the loop begins, a rank stops at once (143) |
 | ``SIGINT`` | Ctrl-C in the terminal (the whole process group: launcher, ranks, loader workers), once training runs | as ``SIGTERM``, exits 130; before the first step, a rank stops at once (130) |
 
 | parent death | the launcher (torchrun, ``megaformer train --nproc``, slurmstepd) died, e.g. torchrun killed by a USR1 it does not handle | treated as ``SIGTERM``: saves if the peers can still agree, exits 143; a watchdog ends the process ``parent_grace_s`` later whatever it is doing |
@@ -76,7 +76,7 @@ class SignalWatch:
 
     def __init__(self, parent_grace_s: float = 120.0, poll_s: float = 0.5) -> None:
         self.received = NONE
-        self.requeued = False  # this rank stops after a warning: the job is (or may be) requeued
+        self.requeued = False  # stopping after a warning in a SLURM job: the job is (or may be) requeued
         self.stopped_by = "SIGTERM"  # what TERMINATE came from, for the log and the exit status
         self._previous = {}
         for sig, what in ((signal.SIGUSR1, REQUEUE), (signal.SIGTERM, TERMINATE), (signal.SIGINT, TERMINATE)):
@@ -92,6 +92,10 @@ class SignalWatch:
         if signum == signal.SIGINT and self.received != TERMINATE:
             self.stopped_by = "SIGINT"
         self.received = max(self.received, what)  # TERM (or INT) wins over USR1
+
+    def note_requeue(self) -> None:
+        """This rank stops after a warning: in a SLURM job, the requeue's SIGTERM is coming (see :meth:`restore`)."""
+        self.requeued = os.environ.get("SLURM_JOB_ID") is not None
 
     @property
     def exit_status(self) -> int:

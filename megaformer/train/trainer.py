@@ -335,7 +335,7 @@ class Trainer:
                 self._after_step(logger, window, signal, end, bool(due), watch.stopped_by)
                 step = self.engine.global_steps
                 if signal == REQUEUE:
-                    watch.requeued = True
+                    watch.note_requeue()
                     accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
                     self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
                     return 0
