@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from megaformer.errors import ConfigError
+from megaformer.files import atomic_write_text
 
 
 @dataclass
@@ -494,6 +495,4 @@ def from_dict(values: dict) -> Config:
 
 def dump_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config as YAML (into a run directory), whole or not at all: a rank stopped at start-up."""
-    from megaformer.files import atomic_write_text  # torch: the trainer's process has it, the launcher's does not
-
     atomic_write_text(Path(path), yaml.safe_dump(to_dict(cfg), sort_keys=False))

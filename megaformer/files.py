@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 # ---- files -------------------------------------------------------------------------------------
 
 
@@ -30,6 +28,8 @@ def sha256_of(path: Path) -> str:
 
 def atomic_torch_save(obj: object, path: str | Path) -> None:
     """Write ``obj`` to ``path`` through a temporary file in the same folder and a rename."""
+    import torch  # here: the module's other helpers serve processes that load no torch (config.dump_config)
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
