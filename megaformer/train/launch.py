@@ -93,17 +93,21 @@ def launch_scope() -> Iterator[None]:
 
     A caller in this process gets its mask and environment back (a one-process run exports
     RANK, WORLD_SIZE, ... for env://, which a later command in the process would take as its launch).
+    After a requeue in a SLURM job, TERM stays ignored (:meth:`SignalWatch.restore`): the process is
+    ending, and SLURM's SIGTERM for the attempt may come after the command returned (srun then
+    reported the rank "Terminated" while the interpreter shut down).
     """
     from launcher.env import LAUNCH_VARIABLES
     from megaformer.train.signals import hold_signals
 
     held = hold_signals()  # a warning during start-up waits for the trainer instead of killing the rank
-    term = signal.getsignal(signal.SIGTERM)  # ignored after a requeue until here (SignalWatch.restore)
+    term = signal.getsignal(signal.SIGTERM)
     launch_env = {name: os.environ.get(name) for name in LAUNCH_VARIABLES}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, term)
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:  # ignored by SignalWatch after a requeue
+            signal.signal(signal.SIGTERM, term)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for name, value in launch_env.items():
             if value is None:

@@ -123,8 +123,8 @@ class SignalWatch:
 
         SLURM ends a requeued attempt with SIGTERM while its ranks close their loaders, logs
         and process groups: it cut that short (srun: "tasks 0-1: Terminated"; the next attempt
-        took the lock over from a killed holder). :func:`megaformer.train.launch.launch_scope`
-        restores the handler the command found; SLURM's SIGKILL still ends a rank that hangs.
+        took the lock over from a killed holder), and the process is ending: it stays ignored to the
+        end (:func:`megaformer.train.launch.launch_scope`); SLURM's SIGKILL still ends a rank that hangs.
         """
         self._stop.set()
         for sig, previous in self._previous.items():
