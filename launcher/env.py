@@ -213,3 +213,9 @@ def detect(env: dict | None = None) -> RankInfo:
             f"{info.source}: rank {info.rank} / local rank {info.local_rank} outside world size {info.world_size}"
         )
     return info
+
+
+def slurm_restart(env: dict | None = None) -> int:
+    """Which attempt of a requeued SLURM job this is (``SLURM_RESTART_COUNT``): 0 for the first, and outside SLURM."""
+    env = os.environ if env is None else env
+    return _int(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0

@@ -459,6 +459,19 @@ def test_resume_none_into_a_run_dir_with_checkpoints_is_refused(finished, shared
     assert (run / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_requeued_job_started_with_resume_none_continues_what_it_saved(finished, shared_data, tmp_path):
+    """`sbatch ... --resume none`, warned and requeued by its own trainer: the second attempt (SLURM_RESTART_COUNT=1)
+    was refused as if the checkpoints were another run's, and the job ended FAILED."""
+    run = _copy_run(finished, tmp_path / "run")
+    argv = _train_argv(run, shared_data, "train.max_steps=11", extra=("--resume", "none"))
+    env = {**_env(), "SLURM_RESTART_COUNT": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "--resume none is not used" in line]
+    assert len(said) == 1 and "restart 1 of the SLURM job" in said[0] and "step-00000010" in said[0], proc.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-00000010'} (step 10" in proc.stdout, proc.stdout[-3000:]
+
+
 def test_a_checkpoint_given_starts_a_run_and_a_restart_continues_the_runs_own(finished, shared_data, tmp_path):
     """`--resume PATH` starts a run; the same command again (a requeued SLURM job) continues that run's own newest
     checkpoint, saying so, as fairseq's --restore-file does. It resumed PATH again before: the second start

@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from launcher.env import detect
+    from launcher.env import detect, slurm_restart
     from megaformer.train.launch import check_launch, launch
 
     cfg = load_config(args.config, args.overrides)
@@ -77,7 +77,8 @@ def _train(args: argparse.Namespace) -> int:
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
     info = detect()
-    resume = _resume_in(Path(run_dir), args.resume, say=print if info.rank == 0 else lambda line: None)
+    say = print if info.rank == 0 else lambda line: None
+    resume = _resume_in(Path(run_dir), args.resume, say, restart=slurm_restart())
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
         raise ConfigError(
@@ -103,14 +104,16 @@ def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> 
     return 0
 
 
-def _resume_in(run_dir: Path, resume: str, say) -> str:
+def _resume_in(run_dir: Path, resume: str, say, restart: int = 0) -> str:
     """The resume policy for ``run_dir``, as fairseq's ``--restore-file``: a checkpoint given (``--resume PATH``)
     starts the run only while the run directory holds none of its own; once the run has saved, a restart (a
     requeued SLURM job runs the same command) continues the run's own newest (``auto``), said in one line.
 
     ``--resume none`` into a run directory that holds checkpoints is refused: the new run's saves would mix
     with the earlier run's (pruning would delete the new ones first, ``--resume auto``, ``average`` and
-    ``translate`` would take the old newest) and its metrics would replace theirs. A model file or an export
+    ``translate`` would take the old newest) and its metrics would replace theirs. A requeued SLURM job
+    (``restart`` > 0: its first attempt found none, or would have been refused) continues what its earlier
+    attempts saved: refused, the trainer's own requeue ended the job FAILED. A model file or an export
     as ``--resume`` is refused: it holds no training state.
 
     Read with pathlib alone: the launching process imports no torch (launcher.local).
@@ -126,6 +129,12 @@ def _resume_in(run_dir: Path, resume: str, say) -> str:
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
     if not steps:
         return resume
+    if resume == "none" and restart:
+        say(
+            f"train: --resume none is not used: this is restart {restart} of the SLURM job, and {run_dir} holds "
+            f"what its earlier attempts saved (newest {steps[-1]}), which it continues"
+        )
+        return "auto"
     if resume == "none":
         raise ConfigError(
             f"--run-dir {run_dir}: holds an earlier run's checkpoints (newest {steps[-1]}), which --resume none "
