@@ -219,3 +219,17 @@ def slurm_restart(env: dict | None = None) -> int:
     """Which attempt of a requeued SLURM job this is (``SLURM_RESTART_COUNT``): 0 for the first, and outside SLURM."""
     env = os.environ if env is None else env
     return _int(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0
+
+
+def parse_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's ``SLURM_TASKS_PER_NODE`` form, ``2(x3),1`` -> [2, 2, 2, 1]: how many tasks each node runs."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None or int(match.group(1)) < 1 or (match.group(2) and int(match.group(2)) < 1):
+            raise ConfigError(f"tasks per node {spec!r}: expected SLURM's form, e.g. 2(x3),1")
+        repeat = int(match.group(2) or 1)
+        if repeat > MAX_HOSTS:
+            _refuse_too_many(spec, repeat)
+        counts.extend([int(match.group(1))] * repeat)
+    return counts

@@ -22,6 +22,10 @@
 # launcher/torchrun.py is torch's torchrun, ending on such a signal with a status instead of a traceback.
 
 set -euo pipefail
+# A warning before srun has started (SLURM may send it a minute early, or preempt at once) would
+# kill this shell: remember it, and pass it on once the tasks exist (below).
+WARNED=0
+trap 'WARNED=1' USR1
 
 cd "${SLURM_SUBMIT_DIR:-$PWD}"
 : "${CONFIG:?set CONFIG to a megaformer config}"
@@ -38,19 +42,46 @@ LAUNCHER=${LAUNCHER:-srun}
 NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, || true)
 echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s) [${NODES}], launcher ${LAUNCHER}, run dir ${RUN_DIR}"
 
+for arg in "$@"; do
+    case "$arg" in --nproc | --nproc=*)
+        echo "megaformer: $arg: a job's processes are its SLURM tasks (--ntasks, --ntasks-per-node): drop --nproc" >&2
+        exit 2
+        ;;
+    esac
+done
 TRAIN=(-m megaformer.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@")
+NNODES=${SLURM_JOB_NUM_NODES:-1}
 case "$LAUNCHER" in
-srun) WORLD=${SLURM_NTASKS:-${SLURM_JOB_NUM_NODES:-1}} ;; # without --ntasks: one task per node, given to srun
-torchrun) WORLD=$((${SLURM_JOB_NUM_NODES:-1} * ${SLURM_NTASKS_PER_NODE:-1})) ;;
+srun)
+    WORLD=${SLURM_NTASKS:-$NNODES} # without --ntasks: one task per node, given to srun
+    PLACED="1(x$NNODES)"
+    [ -z "${SLURM_NTASKS:-}" ] || PLACED=${SLURM_TASKS_PER_NODE:-}
+    case "${SLURM_DISTRIBUTION:-block}" in block*) ;; *) PLACED="" ;; esac # ranks numbered node by node, or unknown
+    ;;
+torchrun)
+    # torchrun starts the same number of ranks on every node.
+    if [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then
+        PER_NODE=$SLURM_NTASKS_PER_NODE
+    elif [ -n "${SLURM_NTASKS:-}" ] && [ $((SLURM_NTASKS % NNODES)) = 0 ]; then
+        PER_NODE=$((SLURM_NTASKS / NNODES))
+    elif [ -n "${SLURM_NTASKS:-}" ]; then
+        echo "megaformer: LAUNCHER=torchrun starts as many ranks on every node, and --ntasks=$SLURM_NTASKS is not a multiple of the $NNODES nodes: give --ntasks-per-node" >&2
+        exit 2
+    else
+        PER_NODE=1
+    fi
+    WORLD=$((NNODES * PER_NODE))
+    PLACED="$PER_NODE(x$NNODES)"
+    ;;
 *)
     echo "megaformer: LAUNCHER=$LAUNCHER: use srun or torchrun" >&2
     exit 2
     ;;
 esac
 # Checked once, here, before any task starts (a fraction of a second: no torch): a bad config,
-# layout or data path, or a run directory another job trains into, is one line and exit 2, instead
+# layout (a TP group across nodes too) or data path, or a run directory another job trains into, is one line and exit 2, instead
 # of a message from every rank and a job status that depends on which rank srun stopped first.
-"$PYTHON" "${TRAIN[@]}" --check --nproc "$WORLD" || exit $?
+"$PYTHON" "${TRAIN[@]}" --check --nproc "$WORLD" ${PLACED:+--tasks-per-node "$PLACED"} || exit $?
 
 case "$LAUNCHER" in
 srun)
@@ -60,11 +91,11 @@ srun)
     srun --kill-on-bad-exit=1 --ntasks="$WORLD" --cpus-per-task="$CPUS" bash -c 'trap "" USR1; exec "$0" "$@"' "$PYTHON" "${TRAIN[@]}" &
     ;;
 torchrun)
-    PER_NODE=${SLURM_NTASKS_PER_NODE:-1}
     export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
-    NNODES=${SLURM_JOB_NUM_NODES:-1}
+    # torchrun ignores USR1 until it handles it, once its ranks start (it died of an early one).
+    # shellcheck disable=SC2016  # expanded by the task's shell
     srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
-        --cpus-per-task="$((CPUS * PER_NODE))" \
+        --cpus-per-task="$((CPUS * PER_NODE))" bash -c 'trap "" USR1; exec "$0" "$@"' \
         "$PYTHON" -m launcher.torchrun --nnodes "$NNODES" --nproc-per-node "$PER_NODE" \
         --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
         --rdzv-backend c10d --rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "${NODES%%,*}:$((20000 + SLURM_JOB_ID % 20000))" \
@@ -72,31 +103,42 @@ torchrun)
     ;;
 esac
 SRUN_PID=$!
+STARTED=$SECONDS
 
 # shellcheck disable=SC2329  # called from the traps below
 forward() { kill -s "$1" "$SRUN_PID" 2>/dev/null || true; }
 REPEATING=0
 # shellcheck disable=SC2329
 warn() {
+    # torchrun passes each warning on (and would treat a second one during its shutdown as another
+    # signal), so it gets one, and not before it handles it: from 20 s after its start.
+    if [ "$LAUNCHER" = torchrun ]; then
+        local wait_s=$((STARTED + 20 - SECONDS))
+        if [ "$wait_s" -gt 0 ]; then (sleep "$wait_s" && forward USR1) & else forward USR1; fi
+        return
+    fi
     forward USR1
     # SLURM may send the warning up to a minute early, while ranks are still starting (and
-    # ignoring it): repeat it every 5 s until srun is done. torchrun passes each on (and would
-    # treat a second one during its shutdown as another signal), so it gets one.
-    if [ "$LAUNCHER" = srun ] && [ "$REPEATING" = 0 ]; then
+    # ignoring it): repeat it every 5 s until srun is done.
+    if [ "$REPEATING" = 0 ]; then
         REPEATING=1
         (while sleep 5 && kill -0 "$SRUN_PID" 2>/dev/null; do forward USR1; done) &
     fi
 }
 trap warn USR1
+[ "$WARNED" = 0 ] || warn
 TERMED=0
 trap 'TERMED=1; forward TERM' TERM
 
-# `wait` returns early when a trapped signal arrives: keep waiting until srun is gone.
+# `wait` returns early, with 128 + the signal, when a trapped signal arrives: keep waiting until srun
+# is gone. If it ended just then, its status is still there for one more wait (127: taken already).
 status=0
-while true; do
+while kill -0 "$SRUN_PID" 2>/dev/null; do
     wait "$SRUN_PID" && status=0 || status=$?
-    kill -0 "$SRUN_PID" 2>/dev/null || break
 done
+last=0
+wait "$SRUN_PID" 2>/dev/null || last=$?
+[ "$last" = 127 ] || status=$last
 
 # shellcheck disable=SC2329
 requeued() {

@@ -1,6 +1,7 @@
 """The SLURM scripts: syntax, shellcheck, and their launch line under a fake SLURM on this machine."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -122,6 +123,22 @@ def test_a_job_without_ntasks_is_checked_for_one_task_per_node(corpus, tmp_path)
     )
 
 
+@pytest.mark.parametrize(
+    "placed", [{"SLURM_TASKS_PER_NODE": "1(x2)"}, {"SLURM_NTASKS": None}], ids=["srun", "no-ntasks"]
+)
+def test_a_tensor_parallel_group_across_nodes_is_one_line_before_any_task_starts(corpus, tmp_path, placed):
+    """tp=2 with one task on each of 2 nodes: the check passed, then every rank refused and srun's status was 143."""
+    submit, env = _fake_slurm(tmp_path)
+    env["SLURM_JOB_NUM_NODES"] = "2"
+    for name, value in placed.items():
+        env.pop(name) if value is None else env.update({name: value})
+    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.tp=2"]
+    proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    _refused_before_srun(
+        proc, submit / "runs" / "megaformer-base-31337", "parallel.tp=2 puts tensor-parallel groups across nodes"
+    )
+
+
 def test_a_run_directory_another_job_trains_into_is_refused_before_any_task_starts(corpus, tmp_path):
     """Rank 0 refused in one line, but its peers waited for it in the rendezvous until SLURM killed them."""
     from megaformer.train.run_lock import RunLock
@@ -155,6 +172,43 @@ def test_a_python_that_is_not_there_is_one_line(tmp_path):
         f"megaformer: PYTHON=.venv/bin/no-python is not there: run `make install` in {submit}, or set PYTHON to "
         "megaformer's python"
     ], proc.stderr
+
+
+def test_nproc_in_a_jobs_arguments_is_one_line(tmp_path):
+    """`sbatch slurm/train_base.sh ... --nproc 2`: the script's own --nproc won in the check, every rank refused."""
+    submit, env = _fake_slurm(tmp_path)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train_base.sh"), "--nproc", "2"], capture_output=True, text=True, env=env
+    )
+    _refused_before_srun(
+        proc, submit / "runs" / "megaformer-base-31337", "--nproc: a job's processes are its SLURM tasks"
+    )
+
+
+def test_torchrun_with_tasks_that_do_not_split_over_the_nodes_is_one_line(tmp_path):
+    """`--nodes=2 --ntasks=3` under LAUNCHER=torchrun: it started one rank a node, the check counted 2, srun 3."""
+    submit, env = _fake_slurm(tmp_path)
+    env.update(LAUNCHER="torchrun", SLURM_NTASKS="3", SLURM_JOB_NUM_NODES="2")
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "train_base.sh")], capture_output=True, text=True, env=env)
+    _refused_before_srun(proc, submit / "runs" / "megaformer-base-31337", "--ntasks=3 is not a multiple of the 2 nodes")
+
+
+def test_a_warning_before_the_tasks_start_is_passed_on_once_they_have(corpus, tmp_path):
+    """SLURM's USR1 while the batch shell ran the check (before its trap) killed the job: FAILED, not requeued."""
+    submit, env = _fake_slurm(tmp_path)
+    warns = tmp_path / "python"  # the check's python warns the batch shell, as SLURM's --signal=B:USR1 does
+    warns.write_text(
+        f'#!/bin/bash\ncase " $* " in *" --check "*) kill -USR1 $PPID ;; esac\nexec {sys.executable} "$@"\n'
+    )
+    warns.chmod(0o755)
+    env["PYTHON"] = str(warns)
+    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.backend=gloo"]
+    script += ["--set", "train.max_steps=1000", "--set", "data.max_tokens=512", "--set", "train.tokens_per_step=512"]
+    proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # ranks ignore a warning until the trainer handles it; the batch shell repeats it every 5 s
+    assert re.search(r"train: stopping at step \d+ after SIGUSR1 \(requeued\)", proc.stdout), proc.stdout[-3000:]
+    assert "requeue 31337" in (tmp_path / "scontrol.log").read_text()
 
 
 def test_launch_under_fake_slurm(corpus, tmp_path):

@@ -27,6 +27,16 @@ def resume_policy(text: str) -> str:
 resume_policy.checked_kind = "path"  # type: ignore[attr-defined]
 
 
+def tasks_per_node(text: str) -> list[int]:
+    """SLURM's ``2(x3),1`` form, as a list of counts."""
+    from launcher.env import parse_tasks_per_node
+
+    try:
+        return parse_tasks_per_node(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=existing_file, required=True, help="YAML config, e.g. configs/transformer_big.yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -59,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="check the config, the layout for --nproc processes, the data and the run directory (not held by "
         "another training), say what would run, and exit without training",
     )
+    p.add_argument(
+        "--tasks-per-node",
+        type=tasks_per_node,
+        default=None,
+        metavar="SPEC",
+        help="with --check: how many of the processes each node runs, in SLURM's form (2(x4),1), ranks numbered "
+        "node by node: tensor-parallel groups must not span nodes (slurm/common.sh passes the job's)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,18 +102,26 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
         )
+    if args.tasks_per_node is not None and not args.check:
+        raise ConfigError("--tasks-per-node describes the nodes for --check, which it comes with: add --check")
     layout = check_launch(cfg, world)  # fail before any process starts
     if args.check:
-        return _checked(cfg, run_dir, layout, resume)
+        return _checked(cfg, run_dir, layout, resume, args.tasks_per_node)
     return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
 
 
-def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> int:
-    """``--check``: the run directory is free too; one line says what would run (slurm/common.sh, before srun)."""
+def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str, per_node: list[int] | None) -> int:
+    """``--check``: the run directory is free too, and with ``per_node`` (ranks each node runs) no TP group spans
+    nodes; one line says what would run (slurm/common.sh, before srun)."""
+    from megaformer.parallel import check_tp_within_nodes
     from megaformer.train.launch import run_lock
 
-    run_lock(run_dir).check_free()
     world = layout.world_size
+    if per_node is not None:
+        if sum(per_node) != world:
+            raise ConfigError(f"--tasks-per-node: {sum(per_node)} processes on {len(per_node)} node(s), not {world}")
+        check_tp_within_nodes(layout, [f"node{i}" for i, count in enumerate(per_node, 1) for _ in range(count)])
+    run_lock(run_dir).check_free()
     processes = f"{world} process{'es' if world > 1 else ''}"
     print(
         f"train: checked: {processes} (tp={layout.tp} dp={layout.dp} pp={layout.pp}), data {cfg.data.path}, "

@@ -21,7 +21,7 @@ _EXPORTS = {
     ),
     "groups": ("LOCAL", "ParallelContext", "TPGroup"),
     "layers": ("ColumnParallelLinear", "LayerNorm", "RowParallelLinear", "VocabParallelEmbedding"),
-    "layout": ("ParallelLayout", "check_model_split", "padded_vocab_size"),
+    "layout": ("ParallelLayout", "check_model_split", "check_tp_within_nodes", "padded_vocab_size"),
     "loss": ("vocab_parallel_cross_entropy",),
     "rng": ("Dropout", "DropoutRNG"),
     "sharding": (

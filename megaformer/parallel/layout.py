@@ -8,6 +8,8 @@ change. ``megaformer info``, the launcher and the tests use it without processes
 from __future__ import annotations
 
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megaformer.config import ModelConfig, ParallelConfig
@@ -116,3 +118,22 @@ def check_model_split(model: ModelConfig, tp: int, option: str = "parallel.tp") 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_tp_within_nodes(layout: ParallelLayout, hosts: Sequence[str]) -> None:
+    """Every TP group must lie inside one node: TP all-reduces once per sublayer, which only a
+    node's own links (NVLink, shared memory) carry fast enough. ``hosts[r]`` is rank r's host.
+
+    The error names the groups that span nodes and the TP sizes that would not: the divisors
+    of the smallest number of ranks a node holds (ranks are numbered node by node).
+    """
+    split = [ranks for ranks in layout.tp_groups() if len({hosts[r] for r in ranks}) > 1]
+    if not split:
+        return
+    per_node = min(Counter(hosts).values())
+    fits = [t for t in range(1, per_node + 1) if per_node % t == 0 and layout.world_size % t == 0]
+    where = "; ".join(f"ranks {ranks} on {', '.join(sorted({hosts[r] for r in ranks}))}" for ranks in split[:3])
+    raise ConfigError(
+        f"parallel.tp={layout.tp} puts tensor-parallel groups across nodes ({where}): "
+        f"with {per_node} rank(s) per node use parallel.tp in {fits}, or launch more ranks per node"
+    )
