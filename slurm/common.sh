@@ -42,12 +42,13 @@ LAUNCHER=${LAUNCHER:-srun}
 NODES=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | paste -sd, || true)
 echo "megaformer: job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}) on ${SLURM_JOB_NUM_NODES:-1} node(s) [${NODES}], launcher ${LAUNCHER}, run dir ${RUN_DIR}"
 
+NPROC=--nproc
 for arg in "$@"; do
-    case "$arg" in --nproc | --nproc=*)
-        echo "megaformer: $arg: a job's processes are its SLURM tasks (--ntasks, --ntasks-per-node): drop --nproc" >&2
-        exit 2
-        ;;
-    esac
+    name=${arg%%=*}
+    case "$name" in --n*) ;; *) continue ;; esac
+    [ "${NPROC#"$name"}" != "$NPROC" ] || continue # --nproc, or a prefix argparse takes for it (--np ...)
+    echo "megaformer: $arg: a job's processes are its SLURM tasks (--ntasks, --ntasks-per-node): drop --nproc" >&2
+    exit 2
 done
 TRAIN=(-m megaformer.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "$@")
 NNODES=${SLURM_JOB_NUM_NODES:-1}
@@ -59,19 +60,18 @@ srun)
     case "${SLURM_DISTRIBUTION:-block}" in block*) ;; *) PLACED="" ;; esac # ranks numbered node by node, or unknown
     ;;
 torchrun)
-    # torchrun starts the same number of ranks on every node.
-    if [ -n "${SLURM_NTASKS_PER_NODE:-}" ]; then
-        PER_NODE=$SLURM_NTASKS_PER_NODE
-    elif [ -n "${SLURM_NTASKS:-}" ] && [ $((SLURM_NTASKS % NNODES)) = 0 ]; then
-        PER_NODE=$((SLURM_NTASKS / NNODES))
-    elif [ -n "${SLURM_NTASKS:-}" ]; then
-        echo "megaformer: LAUNCHER=torchrun starts as many ranks on every node, and --ntasks=$SLURM_NTASKS is not a multiple of the $NNODES nodes: give --ntasks-per-node" >&2
+    # torchrun starts the same number of ranks on every node: the job's tasks per node, K(xNNODES).
+    PLACED=${SLURM_TASKS_PER_NODE:-1(x$NNODES)}
+    case "$PLACED" in
+    *"(x$NNODES)") PER_NODE=${PLACED%%(*} ;;
+    *[!0-9]*) PER_NODE="" ;;
+    *) [ "$NNODES" != 1 ] || PER_NODE=$PLACED ;;
+    esac
+    if [ -z "${PER_NODE:-}" ]; then
+        echo "megaformer: LAUNCHER=torchrun starts as many ranks on every node, and this job's tasks per node are $PLACED: give --ntasks-per-node" >&2
         exit 2
-    else
-        PER_NODE=1
     fi
     WORLD=$((NNODES * PER_NODE))
-    PLACED="$PER_NODE(x$NNODES)"
     ;;
 *)
     echo "megaformer: LAUNCHER=$LAUNCHER: use srun or torchrun" >&2
@@ -92,7 +92,7 @@ srun)
     ;;
 torchrun)
     export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
-    # torchrun ignores USR1 until it handles it, once its ranks start (it died of an early one).
+    # torchrun handles USR1 only once its ranks run (an earlier one killed it): ignored until then.
     # shellcheck disable=SC2016  # expanded by the task's shell
     srun --kill-on-bad-exit=1 --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
         --cpus-per-task="$((CPUS * PER_NODE))" bash -c 'trap "" USR1; exec "$0" "$@"' \
@@ -110,23 +110,23 @@ forward() { kill -s "$1" "$SRUN_PID" 2>/dev/null || true; }
 REPEATING=0
 # shellcheck disable=SC2329
 warn() {
+    [ "$REPEATING" = 0 ] || return 0
+    REPEATING=1
     # torchrun passes each warning on (and would treat a second one during its shutdown as another
-    # signal), so it gets one, and not before it handles it: from 20 s after its start.
+    # signal): it gets one, from 20 s after its start, when it handles USR1 and its ranks hold it.
+    # One whose rendezvous takes longer misses it: its ranks save at the time limit's SIGTERM.
     if [ "$LAUNCHER" = torchrun ]; then
-        local wait_s=$((STARTED + 20 - SECONDS))
-        if [ "$wait_s" -gt 0 ]; then (sleep "$wait_s" && forward USR1) & else forward USR1; fi
-        return
+        (sleep "$((STARTED + 20 > SECONDS ? STARTED + 20 - SECONDS : 0))" && forward USR1) &
+        return 0
     fi
     forward USR1
     # SLURM may send the warning up to a minute early, while ranks are still starting (and
     # ignoring it): repeat it every 5 s until srun is done.
-    if [ "$REPEATING" = 0 ]; then
-        REPEATING=1
-        (while sleep 5 && kill -0 "$SRUN_PID" 2>/dev/null; do forward USR1; done) &
-    fi
+    (while sleep 5 && kill -0 "$SRUN_PID" 2>/dev/null; do forward USR1; done) &
 }
 trap warn USR1
-[ "$WARNED" = 0 ] || warn
+# A warning kept from before srun started reaches it once srun handles signals (it would kill srun).
+[ "$WARNED" = 0 ] || (sleep 5 && kill -s USR1 $$) &
 TERMED=0
 trap 'TERMED=1; forward TERM' TERM
 

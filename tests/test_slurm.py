@@ -174,23 +174,26 @@ def test_a_python_that_is_not_there_is_one_line(tmp_path):
     ], proc.stderr
 
 
-def test_nproc_in_a_jobs_arguments_is_one_line(tmp_path):
+@pytest.mark.parametrize("option", ["--nproc", "--np"])
+def test_nproc_in_a_jobs_arguments_is_one_line(tmp_path, option):
     """`sbatch slurm/train_base.sh ... --nproc 2`: the script's own --nproc won in the check, every rank refused."""
     submit, env = _fake_slurm(tmp_path)
     proc = subprocess.run(
-        ["bash", str(ROOT / "slurm" / "train_base.sh"), "--nproc", "2"], capture_output=True, text=True, env=env
+        ["bash", str(ROOT / "slurm" / "train_base.sh"), option, "2"], capture_output=True, text=True, env=env
     )
     _refused_before_srun(
-        proc, submit / "runs" / "megaformer-base-31337", "--nproc: a job's processes are its SLURM tasks"
+        proc, submit / "runs" / "megaformer-base-31337", f"{option}: a job's processes are its SLURM tasks"
     )
 
 
 def test_torchrun_with_tasks_that_do_not_split_over_the_nodes_is_one_line(tmp_path):
     """`--nodes=2 --ntasks=3` under LAUNCHER=torchrun: it started one rank a node, the check counted 2, srun 3."""
     submit, env = _fake_slurm(tmp_path)
-    env.update(LAUNCHER="torchrun", SLURM_NTASKS="3", SLURM_JOB_NUM_NODES="2")
+    env.update(LAUNCHER="torchrun", SLURM_NTASKS="3", SLURM_JOB_NUM_NODES="2", SLURM_TASKS_PER_NODE="2,1")
     proc = subprocess.run(["bash", str(ROOT / "slurm" / "train_base.sh")], capture_output=True, text=True, env=env)
-    _refused_before_srun(proc, submit / "runs" / "megaformer-base-31337", "--ntasks=3 is not a multiple of the 2 nodes")
+    _refused_before_srun(
+        proc, submit / "runs" / "megaformer-base-31337", "this job's tasks per node are 2,1: give --ntasks-per-node"
+    )
 
 
 def test_a_warning_before_the_tasks_start_is_passed_on_once_they_have(corpus, tmp_path):
