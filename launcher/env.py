@@ -215,10 +215,12 @@ def detect(env: dict | None = None) -> RankInfo:
     return info
 
 
-def slurm_restart(env: dict | None = None) -> int:
-    """Which attempt of a requeued SLURM job this is (``SLURM_RESTART_COUNT``): 0 for the first, and outside SLURM."""
+def slurm_job(env: dict | None = None) -> tuple[str | None, int]:
+    """The SLURM job of this process and which attempt of it this is (``SLURM_RESTART_COUNT``, 0 for the first);
+    (None, 0) outside SLURM."""
     env = os.environ if env is None else env
-    return _int(env, "SLURM_RESTART_COUNT") if "SLURM_RESTART_COUNT" in env else 0
+    job = env.get("SLURM_JOB_ID") or None
+    return job, _int(env, "SLURM_RESTART_COUNT") if job and "SLURM_RESTART_COUNT" in env else 0
 
 
 def parse_tasks_per_node(spec: str) -> list[int]:

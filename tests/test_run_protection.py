@@ -459,17 +459,25 @@ def test_resume_none_into_a_run_dir_with_checkpoints_is_refused(finished, shared
     assert (run / "metrics.jsonl").read_text() == metrics
 
 
-def test_a_requeued_job_started_with_resume_none_continues_what_it_saved(finished, shared_data, tmp_path):
+def test_a_requeued_job_started_with_resume_none_continues_what_it_saved(shared_data, tmp_path):
     """`sbatch ... --resume none`, warned and requeued by its own trainer: the second attempt (SLURM_RESTART_COUNT=1)
-    was refused as if the checkpoints were another run's, and the job ended FAILED."""
-    run = _copy_run(finished, tmp_path / "run")
-    argv = _train_argv(run, shared_data, "train.max_steps=11", extra=("--resume", "none"))
-    env = {**_env(), "SLURM_RESTART_COUNT": "1"}
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    said = [line for line in proc.stdout.splitlines() if "--resume none is not used" in line]
-    assert len(said) == 1 and "restart 1 of the SLURM job" in said[0] and "step-00000010" in said[0], proc.stdout
-    assert f"resumed from {run / 'checkpoints' / 'step-00000010'} (step 10" in proc.stdout, proc.stdout[-3000:]
+    was refused as if the checkpoints were another run's, and the job ended FAILED. Only the job's own saves
+    (meta.json's slurm_job) are continued: another job's restart is refused as before."""
+    run = tmp_path / "run"
+
+    def attempt(job: str, restart: str, steps: int) -> subprocess.CompletedProcess:
+        argv = _train_argv(run, shared_data, f"train.max_steps={steps}", extra=("--resume", "none"))
+        env = {**_env(), "SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": restart}
+        return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+    first = attempt("77", "0", 3)
+    assert first.returncode == 0, first.stderr[-3000:]
+    _one_line_error(attempt("78", "1", 4), "holds an earlier run's checkpoints (newest step-00000003)")
+    again = attempt("77", "1", 4)
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = [line for line in again.stdout.splitlines() if "--resume none is not used" in line]
+    assert len(said) == 1 and "restart 1 of SLURM job 77" in said[0] and "step-00000003" in said[0], again.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-00000003'} (step 3" in again.stdout, again.stdout[-3000:]
 
 
 def test_a_checkpoint_given_starts_a_run_and_a_restart_continues_the_runs_own(finished, shared_data, tmp_path):

@@ -8,6 +8,7 @@ checkpoint path, not only the checkpoint that every other command calls ``--ckpt
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -87,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from launcher.env import detect, slurm_restart
+    from launcher.env import detect, slurm_job
     from megaformer.train.launch import check_launch, launch
 
     cfg = load_config(args.config, args.overrides)
@@ -96,7 +97,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
     info = detect()
     say = print if info.rank == 0 else lambda line: None
-    resume = _resume_in(Path(run_dir), args.resume, say, restart=slurm_restart())
+    resume = _resume_in(Path(run_dir), args.resume, say, slurm_job())
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
         raise ConfigError(
@@ -130,7 +131,15 @@ def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str, per
     return 0
 
 
-def _resume_in(run_dir: Path, resume: str, say, restart: int = 0) -> str:
+def _saved_by(step_dir: Path, job: str | None) -> bool:
+    """Whether SLURM job ``job`` saved ``step_dir`` (its meta.json says so; read with json alone: no torch here)."""
+    try:
+        return job is not None and json.loads((step_dir / "meta.json").read_text()).get("slurm_job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _resume_in(run_dir: Path, resume: str, say, job: tuple[str | None, int] = (None, 0)) -> str:
     """The resume policy for ``run_dir``, as fairseq's ``--restore-file``: a checkpoint given (``--resume PATH``)
     starts the run only while the run directory holds none of its own; once the run has saved, a restart (a
     requeued SLURM job runs the same command) continues the run's own newest (``auto``), said in one line.
@@ -138,8 +147,8 @@ def _resume_in(run_dir: Path, resume: str, say, restart: int = 0) -> str:
     ``--resume none`` into a run directory that holds checkpoints is refused: the new run's saves would mix
     with the earlier run's (pruning would delete the new ones first, ``--resume auto``, ``average`` and
     ``translate`` would take the old newest) and its metrics would replace theirs. A requeued SLURM job
-    (``restart`` > 0: its first attempt found none, or would have been refused) continues what its earlier
-    attempts saved: refused, the trainer's own requeue ended the job FAILED. A model file or an export
+    (``job``: its id and restart count) whose newest checkpoint it saved itself (meta.json's ``slurm_job``)
+    continues it: the run is its own, which its requeue must not end. A model file or an export
     as ``--resume`` is refused: it holds no training state.
 
     Read with pathlib alone: the launching process imports no torch (launcher.local).
@@ -155,10 +164,10 @@ def _resume_in(run_dir: Path, resume: str, say, restart: int = 0) -> str:
     steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
     if not steps:
         return resume
-    if resume == "none" and restart:
+    if resume == "none" and job[1] and _saved_by(run_dir / "checkpoints" / steps[-1], job[0]):
         say(
-            f"train: --resume none is not used: this is restart {restart} of the SLURM job, and {run_dir} holds "
-            f"what its earlier attempts saved (newest {steps[-1]}), which it continues"
+            f"train: --resume none is not used: this is restart {job[1]} of SLURM job {job[0]}, whose earlier "
+            f"attempts saved {run_dir}'s checkpoints (newest {steps[-1]}), which it continues"
         )
         return "auto"
     if resume == "none":

@@ -94,8 +94,9 @@ class SignalWatch:
         self.received = max(self.received, what)  # TERM (or INT) wins over USR1
 
     def note_requeue(self) -> None:
-        """This rank stops after a warning: in a SLURM job, the requeue's SIGTERM is coming (see :meth:`restore`)."""
-        self.requeued = os.environ.get("SLURM_JOB_ID") is not None
+        """This rank stops after a warning: in a SLURM job, the requeue's SIGTERM is coming (see :meth:`restore`).
+        Rank 0's requeue may have been declined (no step trained): SLURM's SIGKILL then ends a rank that hangs."""
+        self.requeued = slurm_job_id() is not None
 
     @property
     def exit_status(self) -> int:
@@ -131,9 +132,14 @@ class SignalWatch:
             signal.signal(sig, signal.SIG_IGN if self.requeued and sig == signal.SIGTERM else previous)
 
 
+def slurm_job_id() -> str | None:
+    """The SLURM job this process runs in (``SLURM_JOB_ID``), or None."""
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
 def requeue(made_progress: bool, log=print) -> bool:
     """Ask SLURM to requeue this job; True if it accepted."""
-    job = os.environ.get("SLURM_JOB_ID")
+    job = slurm_job_id()
     if job is None:
         log("signal: USR1 outside a SLURM job: checkpoint saved, nothing to requeue")
         return False

@@ -46,7 +46,7 @@ from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, peak_source
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
-from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
+from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue, slurm_job_id
 from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
 from megaformer.train.unused import settings_without_effect
 from megaformer.train.validation import Validation
@@ -155,14 +155,12 @@ class Trainer:
         self.log(f"train: {self.peak.describe()}")
 
     def _resume_point(self, resume: str) -> Path | None:
-        if resume == "none":
-            return None
-        if resume == "auto":
-            found = ckpt.find_latest(self.run_dir, log=self.log)
-            if found is None:
-                self.log(f"train: no checkpoint under {self.run_dir}, starting from scratch")
-            return found
-        return ckpt.resolve_checkpoint(resume, log=self.log)
+        if resume != "auto":
+            return None if resume == "none" else ckpt.resolve_checkpoint(resume, log=self.log)
+        found = ckpt.find_latest(self.run_dir, log=self.log)
+        if found is None:
+            self.log(f"train: no checkpoint under {self.run_dir}, starting from scratch")
+        return found
 
     def _stream(self, index: int, count: int, split: str = "train") -> TokenBatchStream:
         """Training batches are cut to the step plan's size; validation batches to ``data.max_tokens``."""
@@ -242,6 +240,7 @@ class Trainer:
                 "vocab_size": self.cfg.data.vocab_size,
                 "config": to_dict(self.cfg),
                 "reason": reason,
+                "slurm_job": slurm_job_id(),  # a requeued job started with --resume none continues its own saves
                 "time": time.time(),
                 "best": best,
             },
