@@ -203,8 +203,8 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     ]
     # Pass SIGTERM / SIGINT / SIGUSR1 sent to this launcher on to every rank (they save and
     # stop together), instead of dying and leaving the ranks running. One that comes while the
-    # ranks start (seconds: the fork server imports torch) is passed again once all have started:
-    # it killed the launcher and left the ranks started so far waiting for the others.
+    # ranks start (seconds: the fork server imports torch) is passed again once all have started,
+    # so that none of them waits in the rendezvous for a rank that never comes.
     forwarded = []
 
     def forward(signum, frame, record=True):

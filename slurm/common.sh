@@ -125,7 +125,7 @@ warn() {
     (while sleep 5 && kill -0 "$SRUN_PID" 2>/dev/null; do forward USR1; done) &
 }
 trap warn USR1
-# A warning kept from before srun started reaches it once srun handles signals (it would kill srun).
+# A warning kept from before srun started reaches it once srun handles signals (before, it kills srun).
 [ "$WARNED" = 0 ] || (sleep 5 && kill -s USR1 $$) &
 TERMED=0
 trap 'TERMED=1; forward TERM' TERM

@@ -105,23 +105,17 @@ def _train(args: argparse.Namespace) -> int:
         )
     if args.tasks_per_node is not None and not args.check:
         raise ConfigError("--tasks-per-node describes the nodes for --check, which it comes with: add --check")
-    layout = check_launch(cfg, world)  # fail before any process starts
+    layout = check_launch(cfg, world, args.tasks_per_node)  # fail before any process starts
     if args.check:
-        return _checked(cfg, run_dir, layout, resume, args.tasks_per_node)
+        return _checked(cfg, run_dir, layout, resume)
     return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
 
 
-def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str, per_node: list[int] | None) -> int:
-    """``--check``: the run directory is free too, and with ``per_node`` (ranks each node runs) no TP group spans
-    nodes; one line says what would run (slurm/common.sh, before srun)."""
-    from megaformer.parallel import check_tp_within_nodes
+def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> int:
+    """``--check``: the run directory is free too; one line says what would run (slurm/common.sh, before srun)."""
     from megaformer.train.launch import run_lock
 
     world = layout.world_size
-    if per_node is not None:
-        if sum(per_node) != world:
-            raise ConfigError(f"--tasks-per-node: {sum(per_node)} processes on {len(per_node)} node(s), not {world}")
-        check_tp_within_nodes(layout, [f"node{i}" for i, count in enumerate(per_node, 1) for _ in range(count)])
     run_lock(run_dir).check_free()
     processes = f"{world} process{'es' if world > 1 else ''}"
     print(

@@ -74,12 +74,17 @@ def check_direction(cfg: Config, manifest: dict, where: str) -> None:
             )
 
 
-def check_launch(cfg: Config, world: int) -> ParallelLayout:
+def check_launch(cfg: Config, world: int, per_node: list[int] | None = None) -> ParallelLayout:
     """Everything that can be refused before a process starts: the layout for ``world`` ranks (returned), the
-    split, the data."""
-    from megaformer.parallel import ParallelLayout, check_model_split
+    split, the data; with ``per_node`` (the ranks each node runs, numbered node by node), no TP group across
+    nodes (the ranks check again on their host names)."""
+    from megaformer.parallel import ParallelLayout, check_model_split, check_tp_within_nodes
 
     layout = ParallelLayout.from_config(cfg.parallel, world)
+    if per_node is not None:
+        if sum(per_node) != world:
+            raise ConfigError(f"--tasks-per-node: {sum(per_node)} processes on {len(per_node)} node(s), not {world}")
+        check_tp_within_nodes(layout, [f"node{i}" for i, count in enumerate(per_node, 1) for _ in range(count)])
     check_model_split(cfg.model, layout.tp)
     check_precision(cfg.train)
     check_data(cfg)
@@ -94,8 +99,8 @@ def launch_scope() -> Iterator[None]:
     A caller in this process gets its mask and environment back (a one-process run exports
     RANK, WORLD_SIZE, ... for env://, which a later command in the process would take as its launch).
     After a requeue in a SLURM job, TERM stays ignored (:meth:`SignalWatch.restore`): the process is
-    ending, and SLURM's SIGTERM for the attempt may come after the command returned (srun then
-    reported the rank "Terminated" while the interpreter shut down).
+    ending, and SLURM's SIGTERM for the attempt may come after the command returned, while the
+    interpreter shuts down.
     """
     from launcher.env import LAUNCH_VARIABLES
     from megaformer.train.signals import hold_signals

@@ -122,10 +122,11 @@ class SignalWatch:
     def restore(self) -> None:
         """Put back the handlers found; after a requeue (:attr:`requeued`) SIGTERM stays ignored.
 
-        SLURM ends a requeued attempt with SIGTERM while its ranks close their loaders, logs
-        and process groups: it cut that short (srun: "tasks 0-1: Terminated"; the next attempt
-        took the lock over from a killed holder), and the process is ending: it stays ignored to the
-        end (:func:`megaformer.train.launch.launch_scope`); SLURM's SIGKILL still ends a rank that hangs.
+        SLURM ends a requeued attempt with SIGTERM while its ranks close their loaders, logs,
+        process groups and the run directory's lock: killed there, a rank would leave the lock to
+        be taken over and srun would report it "Terminated". The process is ending, so TERM stays
+        ignored to its end (:func:`megaformer.train.launch.launch_scope`); SLURM's SIGKILL still ends
+        a rank that hangs.
         """
         self._stop.set()
         for sig, previous in self._previous.items():
