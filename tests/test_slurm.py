@@ -101,42 +101,30 @@ def _refused_before_srun(proc: subprocess.CompletedProcess, run: Path, fragment:
     assert "train: " not in proc.stdout and not run.exists(), proc.stdout
 
 
-def test_a_config_error_is_one_line_before_any_task_starts(corpus, tmp_path):
-    """Every rank printed the error, and srun's status was 2, 143 or 137 by which rank it stopped first."""
+# (the job's SLURM variables, the setting, what the one line says); None unsets a variable
+BAD_LAYOUTS = [
+    # every rank printed the error, and srun's status was 2, 143 or 137 by which rank it stopped first
+    ({}, "parallel.tp=3", "parallel.tp=3 does not divide the world size 2"),
+    # srun starts one task per node where the job gives no task count: the check counted one in all
+    (
+        {"SLURM_NTASKS": None, "SLURM_JOB_NUM_NODES": "3"},
+        "parallel.tp=2",
+        "parallel.tp=2 does not divide the world size 3",
+    ),
+    # one task on each of 2 nodes: the check passed, then every rank refused and srun's status was 143
+    ({"SLURM_JOB_NUM_NODES": "2", "SLURM_TASKS_PER_NODE": "1(x2)"}, "parallel.tp=2", "groups across nodes"),
+    ({"SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": None}, "parallel.tp=2", "groups across nodes"),
+]
+
+
+@pytest.mark.parametrize("job, setting, fragment", BAD_LAYOUTS, ids=["tp3", "no-ntasks", "tp-across", "across-no-n"])
+def test_a_bad_layout_is_one_line_before_any_task_starts(corpus, tmp_path, job, setting, fragment):
     submit, env = _fake_slurm(tmp_path)
-    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.tp=3"]
-    proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    _refused_before_srun(
-        proc, submit / "runs" / "megaformer-base-31337", "parallel.tp=3 does not divide the world size 2"
-    )
-
-
-def test_a_job_without_ntasks_is_checked_for_one_task_per_node(corpus, tmp_path):
-    """srun starts one task per node where the job gives no task count: the check counted one in all."""
-    submit, env = _fake_slurm(tmp_path)
-    del env["SLURM_NTASKS"]
-    env["SLURM_JOB_NUM_NODES"] = "3"
-    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.tp=2"]
-    proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    _refused_before_srun(
-        proc, submit / "runs" / "megaformer-base-31337", "parallel.tp=2 does not divide the world size 3"
-    )
-
-
-@pytest.mark.parametrize(
-    "placed", [{"SLURM_TASKS_PER_NODE": "1(x2)"}, {"SLURM_NTASKS": None}], ids=["srun", "no-ntasks"]
-)
-def test_a_tensor_parallel_group_across_nodes_is_one_line_before_any_task_starts(corpus, tmp_path, placed):
-    """tp=2 with one task on each of 2 nodes: the check passed, then every rank refused and srun's status was 143."""
-    submit, env = _fake_slurm(tmp_path)
-    env["SLURM_JOB_NUM_NODES"] = "2"
-    for name, value in placed.items():
+    for name, value in job.items():
         env.pop(name) if value is None else env.update({name: value})
-    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", "parallel.tp=2"]
+    script = [str(ROOT / "slurm" / "train_base.sh"), "--set", f"data.path={corpus}", "--set", setting]
     proc = subprocess.run(["bash", *script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    _refused_before_srun(
-        proc, submit / "runs" / "megaformer-base-31337", "parallel.tp=2 puts tensor-parallel groups across nodes"
-    )
+    _refused_before_srun(proc, submit / "runs" / "megaformer-base-31337", fragment)
 
 
 def test_a_run_directory_another_job_trains_into_is_refused_before_any_task_starts(corpus, tmp_path):
