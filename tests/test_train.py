@@ -145,7 +145,10 @@ def test_cooldown_of_a_time_budget_lasts_the_rest_of_the_time_at_the_rate_so_far
     began = re.search(r"after update (\d+), the lr ramps down to 0 over the next (\d+) updates", proc.stdout)
     assert began, proc.stdout[-3000:]
     start, length = int(began[1]), int(began[2])
-    assert length == start  # half the time at the first half's rate
+    # Half the time at the recent rate (budget.steps_left: the later half of the settled steps), which equals the
+    # first half's count only at a steady rate: on 2 shared cores, with other tests starting and stopping beside
+    # this one, the rate moved 12 % between the halves (23 for 26). A ramp of the whole budget, or none, is 2x off.
+    assert 0.6 * start <= length <= 1.4 * start, (start, length)
     curve = losses(run)
     last = max(curve)
     assert start < last <= start + length
