@@ -8,9 +8,10 @@
 
 The result is exported as the variables torchrun would set, so ``torch.distributed``'s
 ``env://`` initialisation works the same everywhere. This is the one place that reads
-the launch environment. Below ``megaformer/``, ``train/signals.py`` reads ``SLURM_JOB_ID``
-(the job to requeue), ``parity.py`` reads the variables exported here, and ``demo.py`` passes
-the environment on to its child processes; nothing else does.
+the launch environment, ``SLURM_JOB_ID`` included (:func:`slurm_job`: the job to requeue, to
+name in the run directory's lock and in a checkpoint). Below ``megaformer/``, ``parity.py``
+reads the variables exported here, and ``demo.py`` passes the environment on to its child
+processes; nothing else does.
 
 Host lists come from ``scontrol show hostnames`` where SLURM is installed, and from
 :func:`parse_hostlist` (every form SLURM documents) where it is not.

@@ -160,11 +160,12 @@ def test_group_signals_while_workers_start_reach_only_the_rank(tmp_path):
 
 AFTER_A_REQUEUE = """
 import os, signal, sys
+from launcher.env import slurm_job
 from megaformer.train.launch import launch_scope
 from megaformer.train.signals import SignalWatch
 
 with launch_scope():
-    watch = SignalWatch()
+    watch = SignalWatch(slurm_job()[0])  # as rank_main passes it to the trainer
     watch.note_requeue()  # the trainer, stopping after a warning
     watch.restore()
     os.kill(os.getpid(), signal.SIGTERM)  # SLURM's, for the requeued attempt: this process goes on in a SLURM job

@@ -295,12 +295,13 @@ def test_requeue_refuses_without_progress(monkeypatch, tmp_path):
 
     log = tmp_path / "scontrol.log"
     monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.setenv("FAKE_SCONTROL_LOG", str(log))
     said = []
-    assert requeue(made_progress=False, log=said.append) is False
+    assert requeue("7", made_progress=False, log=said.append) is False
     assert "not requeueing" in said[0] and not log.exists()
-    assert requeue(made_progress=True, log=said.append) is True
+    assert requeue(None, made_progress=True, log=said.append) is False
+    assert "outside a SLURM job" in said[1] and not log.exists()
+    assert requeue("7", made_progress=True, log=said.append) is True
     assert log.read_text() == "requeue 7\n"
 
 

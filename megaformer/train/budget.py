@@ -1,4 +1,5 @@
-"""A run bounded by time: the updates it will reach, the warm-up they call for, and whether to compile.
+"""A run bounded by time: the updates it will reach, the warm-up they call for, whether to compile, and
+whether a resumed run has anything left (:func:`nothing_left_to_train`).
 
 ``train.max_minutes`` bounds a run by training time, but the paper's schedule counts
 updates: a warm-up of 400 updates is a tenth of a run that reaches 4,000 and all of one
@@ -24,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from megaformer.config import TrainConfig
 
 SETTLE_STEPS = 5  # steps after a start or resume left out of the rate (compiling, allocator, caches)
 RATE_STEPS = 10  # steps of settled rate before the first estimate
@@ -104,6 +107,26 @@ class BudgetPlan:
 # on 2 cores with AVX2 only, fp32: compiling took 3.5 minutes and the compiled layers were no faster.
 CPU_COMPILE_MINUTES = 1.5  # compile time on a CPU with native bf16, cache empty (the slower machine's)
 CPU_BF16_GAIN = 0.05
+
+
+def nothing_left_to_train(t: TrainConfig, step: int, cooled_at: int | None, seconds: float) -> str | None:
+    """Why a (resumed) run at ``step`` has nothing left to train, with the option to change; None if it has.
+
+    ``cooled_at``: the update at which the run's lr cool-down ended, if it has; ``seconds``: its training time.
+    """
+    if step >= t.max_steps:
+        return f"the checkpoint is at step {step}, train.max_steps={t.max_steps}: raise train.max_steps to go on"
+    if cooled_at is not None:
+        return (
+            f"the lr cool-down of this run ended at update {cooled_at} (the lr is 0 from there): "
+            f"resume with --set train.cooldown_fraction=0 to drop it and train on at the plain schedule"
+        )
+    if t.max_minutes > 0 and seconds >= 60 * t.max_minutes:
+        return (
+            f"train.max_minutes={t.max_minutes} is spent ({seconds / 60:.1f} minutes trained): "
+            f"raise train.max_minutes to go on"
+        )
+    return None
 
 
 def compile_choice(setting: str, device: torch.device, precision: str, max_minutes: float, native_bf16: bool):

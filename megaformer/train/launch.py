@@ -26,14 +26,15 @@ if TYPE_CHECKING:
 
 def run_lock(run_dir: str) -> RunLock:
     """The run directory's lock for this process (its SLURM job id, if any, lets a requeued job take it over)."""
+    from launcher.env import slurm_job
     from megaformer.train.run_lock import RunLock
 
-    return RunLock(Path(run_dir), os.environ.get("SLURM_JOB_ID"))
+    return RunLock(Path(run_dir), slurm_job()[0])
 
 
 def rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, locked: bool = False) -> int:
     """One rank's training. ``locked``: the launching process holds the run directory's lock for the ranks."""
-    from launcher.env import detect
+    from launcher.env import detect, slurm_job
     from megaformer.parallel import ParallelContext
     from megaformer.train.trainer import Trainer
 
@@ -46,7 +47,7 @@ def rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, loc
             cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
         )
         try:
-            return Trainer(cfg, ctx, Path(run_dir), resume, other_tokenizer).train()
+            return Trainer(cfg, ctx, Path(run_dir), resume, other_tokenizer, slurm_job()[0]).train()
         finally:
             ctx.destroy()
 

@@ -74,7 +74,8 @@ class SignalWatch:
     """Records USR1/TERM in the handler (and the launcher's death in a watchdog thread);
     the trainer agrees on :attr:`received` across ranks between steps."""
 
-    def __init__(self, parent_grace_s: float = 120.0, poll_s: float = 0.5) -> None:
+    def __init__(self, slurm_job: str | None = None, parent_grace_s: float = 120.0, poll_s: float = 0.5) -> None:
+        self.slurm_job = slurm_job  # the SLURM job this rank runs in (launcher.env.slurm_job), or None
         self.received = NONE
         self.requeued = False  # stopping after a warning in a SLURM job: the job is (or may be) requeued
         self.stopped_by = "SIGTERM"  # what TERMINATE came from, for the log and the exit status
@@ -96,7 +97,7 @@ class SignalWatch:
     def note_requeue(self) -> None:
         """This rank stops after a warning: in a SLURM job, the requeue's SIGTERM is coming (see :meth:`restore`).
         Rank 0's requeue may have been declined (no step trained): SLURM's SIGKILL then ends a rank that hangs."""
-        self.requeued = slurm_job_id() is not None
+        self.requeued = self.slurm_job is not None
 
     @property
     def exit_status(self) -> int:
@@ -133,14 +134,8 @@ class SignalWatch:
             signal.signal(sig, signal.SIG_IGN if self.requeued and sig == signal.SIGTERM else previous)
 
 
-def slurm_job_id() -> str | None:
-    """The SLURM job this process runs in (``SLURM_JOB_ID``), or None."""
-    return os.environ.get("SLURM_JOB_ID") or None
-
-
-def requeue(made_progress: bool, log=print) -> bool:
-    """Ask SLURM to requeue this job; True if it accepted."""
-    job = slurm_job_id()
+def requeue(job: str | None, made_progress: bool, log=print) -> bool:
+    """Ask SLURM to requeue ``job`` (this process's, None outside SLURM); True if it accepted."""
     if job is None:
         log("signal: USR1 outside a SLURM job: checkpoint saved, nothing to requeue")
         return False

@@ -39,14 +39,14 @@ from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.parallel.stages import plan_stages
 from megaformer.pipeline.schedule import Pipeline
-from megaformer.train.budget import BudgetPlan, compile_choice
+from megaformer.train.budget import BudgetPlan, compile_choice, nothing_left_to_train
 from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine, cooldown_of
 from megaformer.train.feed import DataFeed, stream_count
 from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, peak_source
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
-from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue, slurm_job_id
+from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
 from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
 from megaformer.train.unused import settings_without_effect
 from megaformer.train.validation import Validation
@@ -54,9 +54,15 @@ from megaformer.train.validation import Validation
 
 class Trainer:
     def __init__(
-        self, cfg: Config, ctx: ParallelContext, run_dir: Path, resume: str = "auto", other_tokenizer: bool = False
+        self,
+        cfg: Config,
+        ctx: ParallelContext,
+        run_dir: Path,
+        resume: str = "auto",
+        other_tokenizer: bool = False,
+        slurm_job: str | None = None,  # the SLURM job this rank runs in (launcher.env.slurm_job): requeued, recorded
     ) -> None:
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, Path(run_dir)
+        self.cfg, self.ctx, self.run_dir, self.slurm_job = cfg, ctx, Path(run_dir), slurm_job
         self.log = print if ctx.is_main else (lambda *a, **k: None)
         if not cfg.data.path:
             raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
@@ -240,7 +246,7 @@ class Trainer:
                 "vocab_size": self.cfg.data.vocab_size,
                 "config": to_dict(self.cfg),
                 "reason": reason,
-                "slurm_job": slurm_job_id(),  # a requeued job started with --resume none continues its own saves
+                "slurm_job": self.slurm_job,  # a requeued job started with --resume none continues its own saves
                 "time": time.time(),
                 "best": best,
             },
@@ -301,10 +307,13 @@ class Trainer:
         """Train to ``train.max_steps``; returns the process exit status."""
         t = self.cfg.train
         self.engine.train()
-        if (nothing_left := self._nothing_left()) is not None:
+        cooled_at = self.engine.cooldown.end if self._cooled() else None  # the same on every rank (the run's state)
+        if (
+            nothing_left := nothing_left_to_train(t, self.engine.global_steps, cooled_at, self.train_seconds)
+        ) is not None:
             self.log(f"train: nothing to train: {nothing_left}")
         logger = MetricsLogger(self.run_dir, self.ctx.is_main, t.max_steps)
-        watch = SignalWatch()
+        watch = SignalWatch(self.slurm_job)
         start_step = self.engine.global_steps
         self._last_save = time.monotonic()
         window = Window()
@@ -335,7 +344,7 @@ class Trainer:
                 step = self.engine.global_steps
                 if signal == REQUEUE:
                     watch.note_requeue()
-                    accepted = requeue(step > start_step, self.log) if self.ctx.is_main else False
+                    accepted = requeue(self.slurm_job, step > start_step, self.log) if self.ctx.is_main else False
                     self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
                     return 0
                 if signal == TERMINATE:  # a peer's SIGTERM is this rank's too; Ctrl-C reaches every rank
@@ -356,28 +365,6 @@ class Trainer:
             logger.close()
             self.feed.close()
         return 0
-
-    def _nothing_left(self) -> str | None:
-        """Why a (resumed) run has no step left to train, with the option to change; None if it has.
-
-        Every rank holds the same step, cool-down and training seconds (the run's state), so
-        every rank gives the same answer.
-        """
-        t, step = self.cfg.train, self.engine.global_steps
-        if step >= t.max_steps:
-            return f"the checkpoint is at step {step}, train.max_steps={t.max_steps}: raise train.max_steps to go on"
-        if self._cooled():
-            cooldown = self.engine.cooldown
-            return (
-                f"the lr cool-down of this run ended at update {cooldown.end} (the lr is 0 from there): "
-                f"resume with --set train.cooldown_fraction=0 to drop it and train on at the plain schedule"
-            )
-        if t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes:
-            return (
-                f"train.max_minutes={t.max_minutes} is spent ({self.train_seconds / 60:.1f} minutes trained): "
-                f"raise train.max_minutes to go on"
-            )
-        return None
 
     def _cool_down(self, time_reached: bool) -> bool:
         """Begin the cool-down when it is due; True when it has ended (the run ends with it).
