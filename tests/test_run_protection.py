@@ -489,6 +489,9 @@ def test_a_checkpoint_given_starts_a_run_and_a_restart_continues_the_runs_own(fi
     run = tmp_path / "run"
     first = _train(run, shared_data, "train.max_steps=6", extra=("--resume", resume))
     assert first.returncode == 0 and f"resumed from {resume} (step 5" in first.stdout, first.stdout[-3000:]
+    check = _train(run, shared_data, "train.max_steps=7", extra=("--resume", resume, "--check"))
+    assert check.returncode == 0 and "(resume auto): nothing started" in check.stdout, check.stdout + check.stderr
+    assert "is not used" not in check.stdout  # the batch shell's check: the ranks say it once when they run
     again = _train(run, shared_data, "train.max_steps=7", extra=("--resume", resume))
     assert again.returncode == 0, again.stderr[-3000:]
     said = [line for line in again.stdout.splitlines() if f"--resume {resume} is not used" in line]

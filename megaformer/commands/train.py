@@ -96,7 +96,7 @@ def _train(args: argparse.Namespace) -> int:
     if Path(run_dir).exists() and not Path(run_dir).is_dir():
         raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
     info = detect()
-    say = print if info.rank == 0 else lambda line: None
+    say = print if info.rank == 0 and not args.check else lambda line: None  # a check's ranks say it when they run
     resume = _resume_in(Path(run_dir), args.resume, say, slurm_job())
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:
