@@ -64,15 +64,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.ctx, self.run_dir, self.slurm_job = cfg, ctx, Path(run_dir), slurm_job
         self.log = print if ctx.is_main else (lambda *a, **k: None)
-        if not cfg.data.path:
-            raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
-        manifest = read_manifest(manifest_path(cfg.data.path))
-        if idle := settings_without_effect(cfg, int(manifest["tokenizer"]["vocab_size"])):
-            self.log(f"train: without effect in this run: {'; '.join(idle)}")
-        cfg.data.vocab_size = int(manifest["tokenizer"]["vocab_size"])  # the data's, as its direction:
-        cfg.data.src_lang, cfg.data.tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
-        self.tokenizer = open_prepared(cfg.data.path, "train").tokenizer_path
-        self.has_valid = "valid" in manifest["splits"]
+        manifest = self._adopt_data()
 
         self.start_dir = self._resume_point(resume)
         saved = ckpt.check_complete(self.start_dir) if self.start_dir else None
@@ -118,6 +110,20 @@ class Trainer:
         self._describe(streams)
 
     # ---- set-up ---------------------------------------------------------------------------
+
+    def _adopt_data(self) -> dict:
+        """The prepared data's manifest; its vocabulary and direction become the run's (``cfg.data``)."""
+        cfg = self.cfg
+        if not cfg.data.path:
+            raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
+        manifest = read_manifest(manifest_path(cfg.data.path))
+        if idle := settings_without_effect(cfg, int(manifest["tokenizer"]["vocab_size"])):
+            self.log(f"train: without effect in this run: {'; '.join(idle)}")
+        cfg.data.vocab_size = int(manifest["tokenizer"]["vocab_size"])  # the data's, as its direction:
+        cfg.data.src_lang, cfg.data.tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
+        self.tokenizer = open_prepared(cfg.data.path, "train").tokenizer_path
+        self.has_valid = "valid" in manifest["splits"]
+        return manifest
 
     def _build_model(self) -> Transformer:
         """This rank's part of the model (its pipeline stage, its TP shard) on the run's device, compiled if asked."""
@@ -307,10 +313,7 @@ class Trainer:
         """Train to ``train.max_steps``; returns the process exit status."""
         t = self.cfg.train
         self.engine.train()
-        cooled_at = self.engine.cooldown.end if self._cooled() else None  # the same on every rank (the run's state)
-        if (
-            nothing_left := nothing_left_to_train(t, self.engine.global_steps, cooled_at, self.train_seconds)
-        ) is not None:
+        if (nothing_left := self._nothing_left()) is not None:
             self.log(f"train: nothing to train: {nothing_left}")
         logger = MetricsLogger(self.run_dir, self.ctx.is_main, t.max_steps)
         watch = SignalWatch(self.slurm_job)
@@ -365,6 +368,11 @@ class Trainer:
             logger.close()
             self.feed.close()
         return 0
+
+    def _nothing_left(self) -> str | None:
+        """Why a (resumed) run has no step left to train; the same on every rank (the run's state)."""
+        cooled_at = self.engine.cooldown.end if self._cooled() else None
+        return nothing_left_to_train(self.cfg.train, self.engine.global_steps, cooled_at, self.train_seconds)
 
     def _cool_down(self, time_reached: bool) -> bool:
         """Begin the cool-down when it is due; True when it has ended (the run ends with it).
