@@ -50,10 +50,21 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _is_annotation(event) -> bool:
+    """A ``record_function`` range (ours, the optimizer's, a compiled region's): the profiler shows it on the GPU's
+    timeline too, spanning the kernels inside it and the gaps between them; it is not a kernel."""
+    return event.name == STEP_RANGE or bool(getattr(event, "is_user_annotation", False))
+
+
+def _is_step(event) -> bool:
+    """The host side of one profiled step (its GPU-side twin spans only the step's kernels)."""
+    return event.name == STEP_RANGE and event.device_type == DeviceType.CPU
+
+
 def summarize(events: list, steps: int, top: int = 10) -> Summary:
     """The window's summary from the profiler's events (``prof.events()``), ``steps`` steps of ``STEP_RANGE``."""
-    ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE]
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_RANGE]
+    ranges = [(e.time_range.start, e.time_range.end) for e in events if _is_step(e)]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not _is_annotation(e)]
     if not ranges:
         return Summary(steps, 0.0, None, [])
     start, end = min(a for a, _ in ranges), max(b for _, b in ranges)
