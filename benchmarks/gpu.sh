@@ -27,9 +27,11 @@
 #    Trainer's share of it, and from a 3-step profile (train.profile_from) the GPU's busy share
 #    and the top 10 kernels. --dry runs d eagerly unless COMPILE=true.
 #
-# Exit status: 0 when every check passes. WORK=DIR keeps the runs (default: a temporary folder);
-# CHECKS=ad runs only those checks (default abcd: a-c and d may then go in separate calls of a
-# time-limited session); LOGS=DIR receives every run's log, metrics and profile summary at the end.
+# Exit status: 0 when every check passes, 124 when stopped by TERM or INT (the summary so far is
+# printed). WORK=DIR keeps the runs (default: a temporary folder; a second call with the same
+# WORK keeps its prepared data and replaces its runs); CHECKS=ad runs only those checks (default
+# abcd: a-c and d may then go in separate calls of a time-limited session); LOGS=DIR receives
+# every run's log, metrics and profile summary as each check ends.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
@@ -78,6 +80,23 @@ else
 fi
 
 mf() { "$PY" -m megaformer.cli "$@"; }
+fresh() { rm -rf -- "$@"; }  # a run folder from an earlier call with the same WORK: --resume none refuses it
+keep_logs() {                # the small files only: checkpoints stay in $WORK
+    [ -n "$LOGS" ] || return 0
+    (cd "$WORK" && find . -maxdepth 3 \( -name '*.log' -o -name metrics.jsonl -o -name 'summary-rank*.json' \) \
+        -exec cp --parents {} "$LOGS" \;)
+}
+finish() { # finish STATUS: the logs and the summary, also when a time limit's TERM ends the script
+    trap - TERM INT
+    [ -n "${pid:-}" ] && kill -9 -- "-$pid" 2>/dev/null  # check a's trainer runs in its own session
+    keep_logs
+    echo
+    echo "summary ($((SECONDS - BEGAN)) s, runs in $WORK):"
+    printf '%s\n' "${SUMMARY[@]}"
+    exit "$1"
+}
+exec 3>&1 4>&2  # the script's own output: a trap runs inside the command it interrupted, with its redirections
+trap 'exec 1>&3 2>&4; echo "gpu.sh: stopped by a signal"; finish 124' TERM INT
 cpu_mf() { CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu "$PY" -m megaformer.cli "$@"; }
 result() { # result PASS|FAIL text...
     local line
@@ -119,11 +138,13 @@ if [ "$DEVICE" = cuda ] && ! "$PY" -c "import torch, sys; sys.exit(not torch.cud
     echo "no CUDA GPU visible: run DEVICE=cpu benchmarks/gpu.sh --dry to check the script on a CPU" >&2
     exit 2
 fi
+wanted() { [[ "$CHECKS" == *"$1"* ]]; }
 DATA=$WORK/data
-[ -f "$DATA/manifest.json" ] || mf prepare --synthetic 4000 --out "$DATA" --quiet || exit 1
+if wanted a || wanted b || wanted c; then
+    [ -f "$DATA/manifest.json" ] || mf prepare --synthetic 4000 --out "$DATA" --quiet || exit 1
+fi
 TINY=(--config configs/tiny.yaml --set "data.path=$DATA" --set train.log_interval=1 --set train.eval_interval=0 "${SMALL[@]}")
 
-wanted() { [[ "$CHECKS" == *"$1"* ]]; }
 
 # ---- a. kill -9 and resume, nccl on one GPU -----------------------------------------------------
 wanted a && for variant in "bf16 1" "fp16 2"; do
@@ -131,6 +152,7 @@ wanted a && for variant in "bf16 1" "fp16 2"; do
     name="a-$precision-zero$zero"
     sets=("${TINY[@]}" --set "parallel.backend=$BACKEND" --set "train.precision=$precision"
         --set "train.zero_stage=$zero" --set "train.max_steps=$STEPS" --set "train.save_interval=$SAVE")
+    fresh "$WORK/$name-ref" "$WORK/$name"
     mf train "${sets[@]}" --run-dir "$WORK/$name-ref" --resume none >"$WORK/$name-ref.log" 2>&1
     ref=$?
     setsid "$PY" -m megaformer.cli train "${sets[@]}" --run-dir "$WORK/$name" --resume none >"$WORK/$name.log" 2>&1 &
@@ -139,6 +161,7 @@ wanted a && for variant in "bf16 1" "fp16 2"; do
     killed_at=$(last_step "$WORK/$name")
     kill -9 -- "-$pid" 2>/dev/null
     wait "$pid" 2>/dev/null
+    pid=""
     mf train "${sets[@]}" --run-dir "$WORK/$name" --resume auto >>"$WORK/$name.log" 2>&1
     resumed=$?
     if [ "$killed_at" -lt "$KILL_AT" ] || [ "$killed_at" -ge "$STEPS" ]; then
@@ -150,6 +173,7 @@ wanted a && for variant in "bf16 1" "fp16 2"; do
     else
         result FAIL "a $precision ZeRO-$zero $BACKEND: killed -9 at step $killed_at, resumed from $SAVE: $line"
     fi
+    keep_logs
 done
 
 # ---- b. two processes on the one GPU, gloo, TP=2 ------------------------------------------------
@@ -168,6 +192,7 @@ else
     parity="parity FAILED"
     echo "$out" | tail -20
 fi
+fresh "$WORK/b-tp2"
 $runner train "${TINY[@]}" "${tp_sets[@]}" --set parallel.tp=2 --set "train.max_steps=$TP_STEPS" --set train.save_interval=0 \
     --run-dir "$WORK/b-tp2" --resume none --nproc 2 >"$WORK/b-tp2.log" 2>&1
 code=$?
@@ -181,12 +206,14 @@ if [ "$code" = 0 ] && [[ "$parity" != *FAILED* ]] && [[ "$trained" == "loss "*" 
 else
     result FAIL "b TP=2 gloo ($where): $parity; train exited $code, $trained (see $WORK/b-tp2.log)"
 fi
+keep_logs
 fi
 
 # ---- c. a CPU checkpoint resumed on the GPU; translate and evaluate on the GPU ------------------
 if wanted c; then
 line=""
 csets=("${TINY[@]}" --set "train.max_steps=$CPU_STEPS" --set "train.save_interval=$CPU_SAVE")
+fresh "$WORK/c-cpu" "$WORK/c-gpu"
 cpu_mf train "${csets[@]}" --set parallel.backend=gloo --run-dir "$WORK/c-cpu" --resume none >"$WORK/c-cpu.log" 2>&1
 code_cpu=$?
 step_dir=$(printf '%s/c-cpu/checkpoints/step-%08d' "$WORK" "$CPU_SAVE")
@@ -227,6 +254,7 @@ EOF
 else
     result FAIL "c translate/evaluate on $DEVICE: exit $t/$e/$e_cpu ${line:-}"
 fi
+keep_logs
 fi
 
 # ---- d. base and big on a WMT'14-shaped corpus: the Trainer against the model alone, and a profile --
@@ -237,6 +265,7 @@ if wanted d; then
     mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1
 for model in base big; do
     run=$WORK/d-$model
+    fresh "$run"
     mf train --config "configs/transformer_$model.yaml" --set "data.path=$WMT" --set parallel.tp=1 \
         --set "parallel.backend=$BACKEND" --set train.precision=bf16 --set train.zero_stage=1 \
         --set "train.max_steps=$BIG_STEPS" --set train.save_interval=0 --set train.save_minutes=0 \
@@ -282,14 +311,8 @@ EOF
     else
         result FAIL "d $model bf16: train exited $code (see $run.log) ${line:-}"
     fi
+    keep_logs
 done
 fi
 
-if [ -n "$LOGS" ]; then  # the small files only: checkpoints stay in $WORK
-    (cd "$WORK" && find . -maxdepth 3 \( -name '*.log' -o -name metrics.jsonl -o -name 'summary-rank*.json' \) \
-        -exec cp --parents {} "$LOGS" \;)
-fi
-echo
-echo "summary ($((SECONDS - BEGAN)) s, runs in $WORK):"
-printf '%s\n' "${SUMMARY[@]}"
-exit "$FAILED"
+finish "$FAILED"
