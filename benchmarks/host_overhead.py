@@ -15,6 +15,12 @@ DeepSpeed's hooks, the feed, the control all-reduces.
    ``F.cross_entropy(label_smoothing=0.1)``, fused AdamW; the median step.
 3. **operators**: aten operators dispatched by one micro-batch's forward and backward in
    each (counted with a ``TorchDispatchMode``).
+4. **device reads**: the values the host reads back from tensors in one more steady step
+   of the Trainer (``item``, ``float``, ``bool``, ``tolist``). On a GPU each one waits for
+   every kernel queued before it, so the GPU runs dry until the host queues the next; the
+   Trainer reads once (its all-reduce of the step's flags, tokens and loss), DeepSpeed's
+   bf16, fp16 and ZeRO optimizers once more (their gradient-norm check; not in this fp32
+   ZeRO-0 run).
 
 ``host_time_ratio`` (megaformer / reference, target <= 1.5) and ``ops_ratio`` (target
 <= 1.3) are measured in the same run, alternating A B A B so that drift hits both.
@@ -101,6 +107,32 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class DeviceReads(TorchDispatchMode):
+    """Counts the host's reads of tensor values while it is active: ``item``, ``float`` and ``bool`` dispatch
+    ``_local_scalar_dense``; ``tolist`` reads a CPU tensor without dispatching, so it is counted where it is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self._tolist = torch.Tensor.tolist
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        def tolist(tensor: torch.Tensor):
+            self.count += 1
+            return self._tolist(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
 def ops_of(loss_fn) -> int:
     """aten operators of one forward and backward."""
     with OpCounter() as counter:
@@ -108,7 +140,7 @@ def ops_of(loss_fn) -> int:
     return counter.count
 
 
-def build_trainer(data: Path, run_dir: Path):
+def build_trainer(data: Path, run_dir: Path, extra: tuple[str, ...] = ()):
     from megaformer.train.trainer import Trainer
 
     sets = [
@@ -118,7 +150,7 @@ def build_trainer(data: Path, run_dir: Path):
         "train.eval_interval=0", "train.save_interval=0", "train.log_interval=1000000", "train.max_steps=100000",
         f"train.label_smoothing={SMOOTHING}", "parallel.backend=gloo",
     ]  # fmt: skip
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", sets)
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", sets + list(extra))
     ctx = ParallelContext.initialize(cfg.parallel, 0, 1, single_process_group=True)
     trainer = Trainer(cfg, ctx, run_dir, resume="none")
     trainer.engine.train()
@@ -161,6 +193,9 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
             times["megaformer"].append(mega)
             times["reference"].append(reference)
         log(f"step {i + 1}/{warmup + steps}: megaformer {mega * 1e3:.1f} ms, reference {reference * 1e3:.1f} ms")
+    with DeviceReads() as reads:
+        trainer.step(flags)
+    taken.pop()
     b = micro[0].batch
     model, smoothing = trainer.model, trainer.cfg.train.label_smoothing
     ops = {
@@ -175,6 +210,7 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
         "reference_step_ms": round(medians["reference"] * 1e3, 2),
         "megaformer_ops_per_micro_batch": ops["megaformer"],
         "reference_ops_per_micro_batch": ops["reference"],
+        "megaformer_device_reads_per_step": reads.count,
         "micro_batches_per_step": len(micro),
         "steps": steps,
         "threads": torch.get_num_threads(),
@@ -210,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             f"aten ops per micro-batch: megaformer {r['megaformer_ops_per_micro_batch']}, reference "
             f"{r['reference_ops_per_micro_batch']}: {r['ops_ratio']}x (target <= 1.3)"
         )
+        print(f"device reads in a steady step: megaformer {r['megaformer_device_reads_per_step']} (target <= 1)")
     return 0
 
 

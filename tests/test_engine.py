@@ -179,6 +179,40 @@ def test_accumulation_equals_double_batch(zero_stage):
     assert spawn(_accumulation_worker, 1, zero_stage) == 0
 
 
+def _reads_worker(data: str, run_dir: str, sets: tuple[str, ...], expected: int) -> int:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from host_overhead import DeviceReads, build_trainer
+
+    from megaformer.train.step import StepFlags
+
+    trainer, ctx = build_trainer(Path(data), Path(run_dir), sets)
+    try:
+        for _ in range(2):
+            trainer.step(StepFlags())
+        with DeviceReads() as reads:
+            trainer.step(StepFlags())
+    finally:
+        ctx.destroy()
+    assert reads.count == expected, f"{reads.count} reads of the device in a steady step of {sets}, not {expected}"
+    return 0
+
+
+@pytest.mark.parametrize(
+    "sets, expected",
+    [((), 1), (("train.precision=bf16", "train.zero_stage=1"), 2)],
+    ids=["fp32-zero0", "bf16-zero1"],
+)
+def test_a_steady_step_reads_the_device_once(corpus, tmp_path, sets, expected):
+    """On a GPU each read of a tensor's value waits for every kernel queued before it. The step read the token
+    count and flags, the loss, the gradient norm and the loss again (4 reads, and 2 waiting copies to the device):
+    now one all-reduce after the step carries them all. DeepSpeed's bf16, fp16 and ZeRO optimizers read their
+    gradient norm once more (its check for inf and NaN)."""
+    assert spawn(_reads_worker, 1, str(corpus), str(tmp_path / "run"), sets, expected) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_accumulated_gradient_equals_double_batch_gradient(dtype):
     """The scaled losses of two micro-batches give the double batch's gradient.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import re
 import warnings
@@ -179,7 +180,7 @@ class Engine:
     ds: object  # deepspeed.DeepSpeedEngine
     accumulation: int
     ctx: ParallelContext
-    last_grad_norm: float | None = None  # ours, when DeepSpeed computes none
+    last_grad_norm: torch.Tensor | None = None  # ours, when DeepSpeed computes none (on the device)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -259,9 +260,23 @@ class Engine:
         return float(scale) if scale is not None else 1.0
 
     def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO and clipping); None if unknown."""
+        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO and clipping); None if unknown.
+        A read of the device: for the log; :meth:`grad_norm_on_device` does not wait."""
+        norm = self.grad_norm_on_device()
+        return float(norm) if norm is not None else None
+
+    def grad_norm_on_device(self) -> torch.Tensor | float | None:
+        """:meth:`grad_norm` as DeepSpeed or :meth:`note_grad_norm` left it: a device tensor (or a float), unread."""
         norm = self.ds.get_global_grad_norm()
-        return float(norm) if norm is not None else self.last_grad_norm
+        return norm if norm is not None else self.last_grad_norm
+
+    def not_finite(self, loss: torch.Tensor) -> torch.Tensor:
+        """Whether ``loss`` or the step's gradient norm is inf or NaN, as a boolean on the device (not read)."""
+        bad = ~torch.isfinite(loss)
+        norm = self.grad_norm_on_device()
+        if torch.is_tensor(norm):
+            return bad | ~torch.isfinite(norm.to(bad.device))
+        return bad | (norm is not None and not math.isfinite(norm))
 
     def note_grad_norm(self) -> None:
         """Without ZeRO or clipping DeepSpeed computes no norm: compute it (call after the last backward)."""
@@ -282,7 +297,7 @@ class Engine:
         total = split + replicated
         if self.ctx.pp_size > 1:  # each stage holds other parameters (embedding copies are none)
             dist.all_reduce(total, group=self.ctx.pp_group)
-        self.last_grad_norm = float(total.sqrt().item())
+        self.last_grad_norm = total.sqrt()
 
     # ---- state ------------------------------------------------------------------------------
 

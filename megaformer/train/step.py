@@ -14,17 +14,35 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 
 import torch
+import torch.distributed as dist
 
+from megaformer.parallel import ParallelContext
 from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
 from megaformer.pipeline.stage import StageBatch
 from megaformer.train.engine import Engine
 from megaformer.train.feed import DataFeed, MicroBatch
 
 
+def world_sum(ctx: ParallelContext, values: list[float], on_device: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """Sum over every rank of ``values`` (from the host), then of the scalars ``on_device``: one float64 tensor on
+    the device, not read back. TP peers hold equal values, so a DP sum is this divided by tp.
+
+    The host's values go to the device through pinned memory on a GPU, and nccl reduces on
+    the device's stream: nothing here waits for the device.
+    """
+    host = torch.tensor(values, dtype=torch.float64, device="cpu")
+    summed = (host.pin_memory() if ctx.device.type == "cuda" else host).to(ctx.device, non_blocking=True)
+    if on_device:
+        summed = torch.cat([summed, torch.stack([v.detach().to(torch.float64) for v in on_device])])
+    if dist.is_initialized():
+        dist.all_reduce(summed, group=ctx.world_group)
+    return summed
+
+
 def accumulate(
     engine: Engine,
     micro: Sequence[MicroBatch],
-    tokens: float,
+    tokens: float | torch.Tensor,
     label_smoothing: float,
     dropout_of: Callable[[int], AbstractContextManager],
 ) -> torch.Tensor:
@@ -35,11 +53,13 @@ def accumulate(
     accumulation steps and averages over DP, so the update follows the mean loss per
     target token of the whole step. ``dropout_of(stream)`` switches the model's dropout
     streams to those of the data stream a micro-batch came from. The loss stays on the
-    device (no host synchronisation per micro-batch).
+    device, and so may ``tokens`` (no host synchronisation in the step).
     """
     if len(micro) != engine.accumulation:
         raise RuntimeError(f"{len(micro)} micro-batches for an accumulation of {engine.accumulation}")
     scale = engine.accumulation * engine.ctx.dp_size / tokens
+    if torch.is_tensor(scale):  # the loss's fp32, as a Python float multiplies it
+        scale = scale.float()
     loss_sum = torch.zeros((), dtype=torch.float32, device=engine.ctx.device)
     for i, m in enumerate(micro):
         b = m.batch.to(engine.ctx.device)

@@ -20,7 +20,6 @@ in ``RUN/checkpoints/best``, which pruning keeps, as fairseq's ``--eval-bleu`` k
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, pea
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
 from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
-from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step
+from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step, world_sum
 from megaformer.train.unused import settings_without_effect
 from megaformer.train.validation import Validation
 
@@ -95,7 +94,7 @@ class Trainer:
         # they train): ranks that share cores then measure the share they really get.
         if dist.is_initialized():
             dist.barrier(group=ctx.world_group)
-        flops = self._world_sum([device_peak_flops(ctx.device, t.precision, t.peak_tflops)])[0]
+        flops = world_sum(self.ctx, [device_peak_flops(ctx.device, t.precision, t.peak_tflops)]).item()
         self.peak = Peak(flops, peak_source(ctx.device, t.peak_tflops), ctx.layout.world_size)
         self.tokens, self.train_seconds, self.world_seconds = 0, 0.0, 0.0
         self.budget = BudgetPlan(t.max_minutes, t.max_steps, t.warmup_fraction, t.warmup_steps)
@@ -264,46 +263,45 @@ class Trainer:
 
     # ---- one step ---------------------------------------------------------------------------
 
-    def _world_sum(self, values: list[float]) -> list[float]:
-        """Sum over every rank; TP peers hold equal values, so a DP sum is this divided by tp."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)  # nccl reduces device tensors only
-        if dist.is_initialized():
-            dist.all_reduce(t, group=self.ctx.world_group)
-        return t.tolist()
-
     def step(self, flags: StepFlags) -> tuple[float, float, StepFlags]:
         """One optimizer step: (the step's DP-summed loss, its DP target tokens, the flags of any rank).
 
-        An all-reduce before the step carries the token count and the flags (signals
-        received, time up, a save due), so that every rank stops and saves at the same
-        step; one after it carries the loss and whether any rank saw a non-finite loss or
-        gradient norm.
+        The world's target tokens, the loss's normalisation, are summed on the device before the
+        backward. One all-reduce after the step carries what every rank must agree on: the flags
+        said before it (signals received, time up, a save due, so that every rank stops and saves
+        at the same step), the token count, the training time, the loss and whether any rank saw
+        a non-finite loss or gradient norm. Reading it is the step's one wait for the device.
         """
         micro = self.feed.next_step()
         local = float(sum(m.batch.tgt_tokens for m in micro))
-        reduced = self._world_sum([local, self.train_seconds] + flags.as_floats())
-        # Every rank of a replica (TP x PP) counted the same tokens; the mean training time is the same on every rank.
-        tokens, flags = reduced[0] / (self.ctx.layout.tp * self.ctx.pp_size), StepFlags.any_of(reduced[2:])
-        self.world_seconds = reduced[1] / (dist.get_world_size(self.ctx.world_group) if dist.is_initialized() else 1)
+        replica = self.ctx.layout.tp * self.ctx.pp_size  # every rank of a replica (TP x PP) counts the same tokens
+        tokens = world_sum(self.ctx, [local])[0] / replica  # a 0-dim tensor: the loss scale stays a scalar
         skipped_before = self.engine.skipped_steps
         if self.pipeline is None:
-            loss = float(accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of))
-        else:
-            loss = float(pipeline_step(self.engine, self.pipeline, self.feed, micro, tokens, self.cfg.train))
+            loss = accumulate(self.engine, micro, tokens, self.cfg.train.label_smoothing, self.feed.dropout_of)
+        else:  # a pipeline's transfers wait for the device anyway
+            loss = pipeline_step(self.engine, self.pipeline, self.feed, micro, float(tokens), self.cfg.train)
         # DeepSpeed skips the update on inf/NaN gradients in every precision; only in fp16 is that the
         # loss scaler's overflow (lower the scale, go on). In fp32 and bf16 it is a diverged run.
-        skipped = self.engine.skipped_steps > skipped_before and self.cfg.train.precision == "fp16"
-        norm = self.engine.grad_norm()
-        non_finite = not math.isfinite(loss) or (norm is not None and not math.isfinite(norm))
-        broken = not skipped and (non_finite or self.engine.skipped_steps > skipped_before)
+        skipped_now = self.engine.skipped_steps > skipped_before
+        skipped = skipped_now and self.cfg.train.precision == "fp16"
+        loss = torch.as_tensor(loss, dtype=torch.float32, device=self.ctx.device)
+        broken = torch.zeros_like(loss) if skipped else (self.engine.not_finite(loss) | skipped_now).float()
         # Only a pipeline's last stage holds the loss (the others add 0); TP peers hold it each.
-        loss_sum, broken_ranks = self._world_sum([0.0 if skipped else loss, float(broken)])
+        reduced = world_sum(
+            self.ctx,
+            [local, self.train_seconds] + flags.as_floats(),
+            (torch.zeros_like(loss) if skipped else loss, broken),
+        ).tolist()
+        # The mean training time before the step is the same on every rank (the time budget's rate).
+        tokens, self.world_seconds = reduced[0] / replica, reduced[1] / self.ctx.layout.world_size
+        flags, (loss_sum, broken_ranks) = StepFlags.any_of(reduced[2:-2]), reduced[-2:]
         if broken_ranks:
             raise TrainingError(
-                f"step {self.engine.global_steps}: the loss or the gradient norm is not finite (loss {loss:g}, "
-                f"gradient norm {norm}); nothing was saved. Likely causes: a learning rate too high "
-                f"(train.lr_scale={self.cfg.train.lr_scale}, train.warmup_steps={self.cfg.train.warmup_steps}) or "
-                f"fp16 without enough loss-scale headroom; resume from the last checkpoint with a lower lr_scale"
+                f"step {self.engine.global_steps}: the loss or the gradient norm is not finite (loss {float(loss):g}, "
+                f"gradient norm {self.engine.grad_norm()}); nothing was saved. Likely causes: a learning rate too "
+                f"high (train.lr_scale={self.cfg.train.lr_scale}, train.warmup_steps={self.cfg.train.warmup_steps}) "
+                f"or fp16 without enough loss-scale headroom; resume from the last checkpoint with a lower lr_scale"
             )
         return loss_sum / self.ctx.layout.tp, 0.0 if skipped else tokens, flags
 
