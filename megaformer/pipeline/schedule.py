@@ -170,7 +170,6 @@ class Pipeline:
     # ---- forward only ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    @torch.no_grad()
     def forward_only(self, batch: StageBatch) -> torch.Tensor | None:
         """One batch through the pipeline without gradients; the last stage returns its slice of the logits."""
         inputs = self._empty(input_shapes(self.part, batch, self.model)) if self.prev_rank is not None else []
