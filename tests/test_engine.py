@@ -208,9 +208,40 @@ def _reads_worker(data: str, run_dir: str, sets: tuple[str, ...], expected: int)
 def test_a_steady_step_reads_the_device_once(corpus, tmp_path, sets, expected):
     """On a GPU each read of a tensor's value waits for every kernel queued before it. The step read the token
     count and flags, the loss, the gradient norm and the loss again (4 reads, and 2 waiting copies to the device):
-    now one all-reduce after the step carries them all. DeepSpeed's bf16, fp16 and ZeRO optimizers read their
-    gradient norm once more (its check for inf and NaN)."""
+    now one all-reduce after the step carries them all. DeepSpeed's bf16 ZeRO-1 optimizer reads once more (its
+    check of the gradient norm for inf and NaN; docs/design.md lists the other optimizers')."""
     assert spawn(_reads_worker, 1, str(corpus), str(tmp_path / "run"), sets, expected) == 0
+
+
+def _nan_gradient_worker(data: str, run_dir: str, sets: tuple[str, ...]) -> int:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from host_overhead import build_trainer
+
+    from megaformer.errors import TrainingError
+    from megaformer.train.step import StepFlags
+
+    trainer, ctx = build_trainer(Path(data), Path(run_dir), sets)
+    try:
+        trainer.step(StepFlags())
+        weight = next(trainer.model.parameters())
+        weight.register_hook(lambda grad: grad * float("nan"))  # a finite loss, a NaN gradient
+        with pytest.raises(TrainingError, match="the loss or the gradient norm is not finite"):
+            trainer.step(StepFlags())
+    finally:
+        ctx.destroy()
+    return 0
+
+
+@pytest.mark.parametrize(
+    "sets", [("train.clip_grad=1.0",), ("train.precision=bf16", "train.zero_stage=1")], ids=["fp32-zero0-clip", "bf16"]
+)
+def test_a_nan_gradient_under_a_finite_loss_stops_the_run(corpus, tmp_path, sets):
+    """Without ZeRO but with clipping DeepSpeed computes the gradient norm, clips by it and drops it; the trainer
+    computed its own only without clipping, so a NaN gradient under a finite loss went unseen and trained on."""
+    assert spawn(_nan_gradient_worker, 1, str(corpus), str(tmp_path / "run"), sets) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

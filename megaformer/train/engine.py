@@ -275,12 +275,13 @@ class Engine:
         bad = ~torch.isfinite(loss)
         norm = self.grad_norm_on_device()
         if torch.is_tensor(norm):
-            return bad | ~torch.isfinite(norm.to(bad.device))
+            return bad | ~torch.isfinite(norm.to(bad.device)).all()
         return bad | (norm is not None and not math.isfinite(norm))
 
     def note_grad_norm(self) -> None:
-        """Without ZeRO or clipping DeepSpeed computes no norm: compute it (call after the last backward)."""
-        if uses_zero(self) or self.ds.gradient_clipping() > 0:
+        """Without ZeRO DeepSpeed keeps no norm (with clipping it computes one and drops it): compute it, unread,
+        so that a non-finite gradient stops the run (call after the last backward)."""
+        if uses_zero(self):
             return
         grads = [(p.grad.detach(), tp_dim(p) is not None) for p in self.module.parameters() if p.grad is not None]
 

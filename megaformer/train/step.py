@@ -28,12 +28,12 @@ def world_sum(ctx: ParallelContext, values: list[float], on_device: tuple[torch.
     the device, not read back. TP peers hold equal values, so a DP sum is this divided by tp.
 
     The host's values go to the device through pinned memory on a GPU, and nccl reduces on
-    the device's stream: nothing here waits for the device.
+    the device's stream: nothing here waits for the device (gloo with CUDA tensors does).
     """
     host = torch.tensor(values, dtype=torch.float64, device="cpu")
     summed = (host.pin_memory() if ctx.device.type == "cuda" else host).to(ctx.device, non_blocking=True)
     if on_device:
-        summed = torch.cat([summed, torch.stack([v.detach().to(torch.float64) for v in on_device])])
+        summed = torch.cat([summed, torch.stack([v.detach().to(torch.float64).reshape(()) for v in on_device])])
     if dist.is_initialized():
         dist.all_reduce(summed, group=ctx.world_group)
     return summed
@@ -58,8 +58,8 @@ def accumulate(
     if len(micro) != engine.accumulation:
         raise RuntimeError(f"{len(micro)} micro-batches for an accumulation of {engine.accumulation}")
     scale = engine.accumulation * engine.ctx.dp_size / tokens
-    if torch.is_tensor(scale):  # the loss's fp32, as a Python float multiplies it
-        scale = scale.float()
+    if torch.is_tensor(tokens):  # a true division (a number over a tensor is its reciprocal times the number), in fp32
+        scale = (torch.full_like(tokens, engine.accumulation * engine.ctx.dp_size) / tokens).float()
     loss_sum = torch.zeros((), dtype=torch.float32, device=engine.ctx.device)
     for i, m in enumerate(micro):
         b = m.batch.to(engine.ctx.device)
