@@ -18,7 +18,8 @@
 # c. a CPU-written checkpoint resumed on CUDA (losses of steps 31-60 against the CPU's own
 #    continuation, CROSS_TOL 2 %: TF32 vs fp32 matmuls), and translate/evaluate on CUDA
 #    against the CPU (the same hypotheses for >= 95 % of the sentences, BLEU within 1).
-# d. transformer_base and transformer_big (bf16, ZeRO-1, compiled layers; COMPILE=false for
+# d. the Trainer's waits for the device in a steady step (benchmarks/host_overhead.py: one read,
+#    one CUDA synchronisation), then transformer_base and transformer_big (bf16, ZeRO-1, compiled layers; COMPILE=false for
 #    eager) on a WMT'14-shaped corpus (200,000 pairs, ~27 pieces a side, 37,000 pieces) through
 #    the Trainer on one GPU, one line each: the layout, steady target tokens/s and MFU against
 #    the dense bf16 peak (H200: 989 TFLOP/s) as the Trainer logs them, the model alone
@@ -57,6 +58,7 @@ CROSS_TOL=${CROSS_TOL:-0.02}
 BEGAN=$SECONDS
 SUMMARY=()
 FAILED=0
+pid=""  # check a's trainer, in its own session while it runs
 
 if [ "$DRY" = 1 ]; then
     STEPS=20 SAVE=10 KILL_AT=12 TP_STEPS=5 CPU_STEPS=12 CPU_SAVE=6 BIG_STEPS=8 TEST_LINES=20
@@ -79,7 +81,7 @@ else
     BACKEND=nccl
 fi
 
-mf() { "$PY" -m megaformer.cli "$@"; }
+mf() { "$PY" -m megaformer.cli "$@" 3>&- 4>&-; }  # fds 3 and 4: the script's own output (below)
 fresh() { rm -rf -- "$@"; }  # a run folder from an earlier call with the same WORK: --resume none refuses it
 keep_logs() {                # the small files only: checkpoints stay in $WORK
     [ -n "$LOGS" ] || return 0
@@ -97,7 +99,7 @@ finish() { # finish STATUS: the logs and the summary, also when a time limit's T
 }
 exec 3>&1 4>&2  # the script's own output: a trap runs inside the command it interrupted, with its redirections
 trap 'exec 1>&3 2>&4; echo "gpu.sh: stopped by a signal"; finish 124' TERM INT
-cpu_mf() { CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu "$PY" -m megaformer.cli "$@"; }
+cpu_mf() { CUDA_VISIBLE_DEVICES="" DS_ACCELERATOR=cpu "$PY" -m megaformer.cli "$@" 3>&- 4>&-; }
 result() { # result PASS|FAIL text...
     local line
     line=$(printf '%-4s %s' "$1" "${*:2}")
@@ -155,7 +157,7 @@ wanted a && for variant in "bf16 1" "fp16 2"; do
     fresh "$WORK/$name-ref" "$WORK/$name"
     mf train "${sets[@]}" --run-dir "$WORK/$name-ref" --resume none >"$WORK/$name-ref.log" 2>&1
     ref=$?
-    setsid "$PY" -m megaformer.cli train "${sets[@]}" --run-dir "$WORK/$name" --resume none >"$WORK/$name.log" 2>&1 &
+    setsid "$PY" -m megaformer.cli train "${sets[@]}" --run-dir "$WORK/$name" --resume none >"$WORK/$name.log" 2>&1 3>&- 4>&- &
     pid=$!
     while kill -0 "$pid" 2>/dev/null && [ "$(last_step "$WORK/$name")" -lt "$KILL_AT" ]; do sleep 0.2; done
     killed_at=$(last_step "$WORK/$name")
@@ -263,6 +265,21 @@ PROFILE_STEPS=3
 if wanted d; then
 [ -f "$WMT/manifest.json" ] ||
     mf prepare --synthetic "$WMT_PAIRS" --synthetic-shape wmt14 --vocab-size "$WMT_VOCAB" --out "$WMT" --quiet || exit 1
+# The host's waits in a steady step (host_overhead.py: reads of tensor values, CUDA synchronisations): one
+host=$("$PY" benchmarks/host_overhead.py --device "$DEVICE" --steps 3 --warmup 2 --json 2>"$WORK/d-host.log" 3>&- 4>&-)
+if line=$("$PY" - "$host" <<'EOF'
+import json, sys
+r = json.loads(sys.argv[1])
+reads, syncs = r["megaformer_device_reads_per_step"], r["megaformer_cuda_syncs_per_step"]
+print(f"{reads} reads of the device, {'n/a' if syncs is None else syncs} CUDA synchronisations in a steady step "
+      f"(target 1 each); host time {r['host_time_ratio']}x a plain loop's ({r['megaformer_step_ms']:.1f} ms a step)")
+sys.exit(0 if reads <= 1 and (syncs is None or syncs <= 1) else 1)
+EOF
+); then
+    result PASS "d host work on $DEVICE: $line"
+else
+    result FAIL "d host work on $DEVICE: ${line:-no result} (see $WORK/d-host.log)"
+fi
 for model in base big; do
     run=$WORK/d-$model
     fresh "$run"

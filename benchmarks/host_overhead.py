@@ -1,6 +1,6 @@
 """What the Trainer adds on the host: its step time and dispatched operators against a plain PyTorch loop.
 
-    python benchmarks/host_overhead.py [--steps 20] [--warmup 3] [--json]
+    python benchmarks/host_overhead.py [--steps 20] [--warmup 3] [--device cpu|cuda] [--json]
 
 A model of the big preset's depth at a tiny width (d_model 64, 4 heads, d_ff 256, 6 + 6
 layers, dropout 0.1) trains on the built-in corpus with 2 micro-batches per optimizer
@@ -18,9 +18,12 @@ DeepSpeed's hooks, the feed, the control all-reduces.
 4. **device reads**: the values the host reads back from tensors in one more steady step
    of the Trainer (``item``, ``float``, ``bool``, ``tolist``). On a GPU each one waits for
    every kernel queued before it, so the GPU runs dry until the host queues the next; the
-   Trainer reads once (its all-reduce of the step's flags, tokens and loss), DeepSpeed's
-   bf16, fp16 and ZeRO optimizers once more (their gradient-norm check; not in this fp32
-   ZeRO-0 run).
+   Trainer reads once (its all-reduce of the step's flags, tokens and loss); DeepSpeed's
+   optimizers add their own (none in this fp32 ZeRO-0 run; see docs/design.md). A copy
+   between devices that is not ``non_blocking`` and an operator whose output size depends
+   on the data count too. ``--device cuda`` (nccl) also counts the synchronisations
+   ``torch.cuda.set_sync_debug_mode("warn")`` reports in that step (copies to the device
+   from unpinned memory included), and times each step to the end of its kernels.
 
 ``host_time_ratio`` (megaformer / reference, target <= 1.5) and ``ops_ratio`` (target
 <= 1.3) are measured in the same run, alternating A B A B so that drift hits both.
@@ -37,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -107,30 +111,67 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_READS = {  # operators that make the host wait for the device: a value read back, an output sized by the data
+    torch.ops.aten._local_scalar_dense.default,  # item, float, int, bool, a tensor in an `if`
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten._unique2.default,
+}
+
+
 class DeviceReads(TorchDispatchMode):
-    """Counts the host's reads of tensor values while it is active: ``item``, ``float`` and ``bool`` dispatch
-    ``_local_scalar_dense``; ``tolist`` reads a CPU tensor without dispatching, so it is counted where it is called."""
+    """Counts what makes the host wait for the device while it is active (:data:`_READS`, and a copy between devices
+    that is not ``non_blocking``). ``tolist`` reads a CPU tensor without dispatching: it is counted where it is called
+    (in every thread: the mode itself is this thread's)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
-        self._tolist = torch.Tensor.tolist
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _READS:
+            self.count += 1
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and not kwargs.get(
+            "non_blocking",
+            len(args) > 2 and args[2],  # copy_(self, src, non_blocking)
+        ):
+            devices = {a.device for a in args if isinstance(a, torch.Tensor)} | {kwargs.get("device") or args[0].device}
+            self.count += len(devices) > 1
+        return func(*args, **kwargs)
 
     def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
         def tolist(tensor: torch.Tensor):
             self.count += 1
             return self._tolist(tensor)
 
         torch.Tensor.tolist = tolist
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            torch.Tensor.tolist = self._tolist
+            raise
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
         return super().__exit__(*exc)
+
+
+def cuda_syncs(step, device: torch.device) -> int | None:
+    """The synchronisations ``torch.cuda.set_sync_debug_mode("warn")`` reports while ``step()`` runs; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def ops_of(loss_fn) -> int:
@@ -157,12 +198,13 @@ def build_trainer(data: Path, run_dir: Path, extra: tuple[str, ...] = ()):
     return trainer, ctx
 
 
-def measure(steps: int, warmup: int, log) -> dict:
+def measure(steps: int, warmup: int, log, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         if cli.main(["prepare", "--synthetic", "4000", "--out", str(data), "--quiet"]) != 0:
             raise SystemExit("host_overhead: prepare failed")
-        trainer, ctx = build_trainer(data, Path(tmp) / "run")
+        backend = ("parallel.backend=nccl",) if device == "cuda" else ()
+        trainer, ctx = build_trainer(data, Path(tmp) / "run", backend)
         try:
             return _compare(trainer, steps, warmup, log)
         finally:
@@ -171,7 +213,9 @@ def measure(steps: int, warmup: int, log) -> dict:
 
 def _compare(trainer, steps: int, warmup: int, log) -> dict:
     torch.manual_seed(0)
-    ref = Reference(trainer.cfg.data.vocab_size)
+    device = trainer.ctx.device
+    done = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    ref = Reference(trainer.cfg.data.vocab_size).to(device)
     optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True)
     flags = StepFlags()  # no signal, no time limit, no save due, no cool-down
     times: dict[str, list[float]] = {"megaformer": [], "reference": []}
@@ -181,13 +225,16 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
     for i in range(warmup + steps):
         began = time.perf_counter()
         trainer.step(flags)
+        done()
         mega = time.perf_counter() - began
-        micro = taken.pop()
+        micro = [m.batch.to(device) for m in taken.pop()]
+        done()
         began = time.perf_counter()
-        for m in micro:
-            (ref.loss(m.batch.src, m.batch.tgt_in, m.batch.tgt_out) / 2048).backward()
+        for b in micro:
+            (ref.loss(b.src, b.tgt_in, b.tgt_out) / 2048).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        done()
         reference = time.perf_counter() - began
         if i >= warmup:
             times["megaformer"].append(mega)
@@ -195,8 +242,8 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
         log(f"step {i + 1}/{warmup + steps}: megaformer {mega * 1e3:.1f} ms, reference {reference * 1e3:.1f} ms")
     with DeviceReads() as reads:
         trainer.step(flags)
-    taken.pop()
-    b = micro[0].batch
+    syncs = cuda_syncs(lambda: trainer.step(flags), device)
+    b = micro[0]
     model, smoothing = trainer.model, trainer.cfg.train.label_smoothing
     ops = {
         "megaformer": ops_of(lambda: model.loss(b.src, b.tgt_in, b.tgt_out, smoothing)[0]),
@@ -211,6 +258,8 @@ def _compare(trainer, steps: int, warmup: int, log) -> dict:
         "megaformer_ops_per_micro_batch": ops["megaformer"],
         "reference_ops_per_micro_batch": ops["reference"],
         "megaformer_device_reads_per_step": reads.count,
+        "megaformer_cuda_syncs_per_step": syncs,  # None off CUDA
+        "device": str(device),
         "micro_batches_per_step": len(micro),
         "steps": steps,
         "threads": torch.get_num_threads(),
@@ -222,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.Parser(prog="host_overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=20, help="timed optimizer steps (default: %(default)s)")
     parser.add_argument("--warmup", type=nonneg_int, default=3, help="untimed steps first (default: %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both train (cuda: nccl)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -234,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # with --json, stdout is the one object: what the trainer prints goes to stderr with the progress
     with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        r = measure(args.steps, args.warmup, log)
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("host_overhead: --device cuda: no CUDA GPU is visible")
+        r = measure(args.steps, args.warmup, log, args.device)
     if args.json:
         print(json.dumps(r))
     else:
@@ -246,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
             f"aten ops per micro-batch: megaformer {r['megaformer_ops_per_micro_batch']}, reference "
             f"{r['reference_ops_per_micro_batch']}: {r['ops_ratio']}x (target <= 1.3)"
         )
-        print(f"device reads in a steady step: megaformer {r['megaformer_device_reads_per_step']} (target <= 1)")
+        syncs = r["megaformer_cuda_syncs_per_step"]
+        print(
+            f"device reads in a steady step: megaformer {r['megaformer_device_reads_per_step']} (target <= 1)"
+            + (f"; CUDA synchronisations {syncs}" if syncs is not None else "")
+        )
     return 0
 
 

@@ -381,6 +381,7 @@ def test_gpu_throughput_refuses_a_bad_vocabulary_size_in_one_line(value, fragmen
 BENCHMARK_OPTIONS = [
     ("host_overhead", "--steps", "0", "must be at least 1"),  # a median of nothing, after the whole run
     ("host_overhead", "--warmup", "-1", "must be at least 0"),
+    ("host_overhead", "--device", "tpu", "invalid choice: 'tpu'"),
     ("data_stream", "--sort-buffer", "0", "must be at least 1"),  # ran on for minutes
     ("data_stream", "--workers", "-1", "must be at least 0"),  # a traceback after a 40 s corpus
     ("decode", "--beam", "0", "must be at least 1"),
