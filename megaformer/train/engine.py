@@ -260,7 +260,7 @@ class Engine:
         return float(scale) if scale is not None else 1.0
 
     def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO and clipping); None if unknown.
+        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO); None if unknown.
         A read of the device: for the log; :meth:`grad_norm_on_device` does not wait."""
         norm = self.grad_norm_on_device()
         return float(norm) if norm is not None else None

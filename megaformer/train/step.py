@@ -57,9 +57,9 @@ def accumulate(
     """
     if len(micro) != engine.accumulation:
         raise RuntimeError(f"{len(micro)} micro-batches for an accumulation of {engine.accumulation}")
-    scale = engine.accumulation * engine.ctx.dp_size / tokens
-    if torch.is_tensor(tokens):  # a true division (a number over a tensor is its reciprocal times the number), in fp32
-        scale = (torch.full_like(tokens, engine.accumulation * engine.ctx.dp_size) / tokens).float()
+    share = engine.accumulation * engine.ctx.dp_size
+    # On the device a true division (a number over a tensor is its reciprocal times the number), in the loss's fp32.
+    scale = (torch.full_like(tokens, share) / tokens).float() if torch.is_tensor(tokens) else share / tokens
     loss_sum = torch.zeros((), dtype=torch.float32, device=engine.ctx.device)
     for i, m in enumerate(micro):
         b = m.batch.to(engine.ctx.device)
