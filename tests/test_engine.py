@@ -1,7 +1,7 @@
 """The engine pieces: generated DeepSpeed config, the schedule, gradient accumulation, activation checkpointing."""
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -179,23 +179,32 @@ def test_accumulation_equals_double_batch(zero_stage):
     assert spawn(_accumulation_worker, 1, zero_stage) == 0
 
 
-def _reads_worker(data: str, run_dir: str, sets: tuple[str, ...], expected: int) -> int:
+@contextmanager
+def _benchmark_trainer(data: str, run_dir: str, sets: tuple[str, ...]):
+    """The in-process Trainer of benchmarks/host_overhead.py (one process, gloo, 2 micro-batches a step), ``sets`` on."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from host_overhead import DeviceReads, build_trainer
-
-    from megaformer.train.step import StepFlags
+    from host_overhead import build_trainer
 
     trainer, ctx = build_trainer(Path(data), Path(run_dir), sets)
     try:
+        yield trainer
+    finally:
+        ctx.destroy()
+
+
+def _reads_worker(data: str, run_dir: str, sets: tuple[str, ...], expected: int) -> int:
+    from megaformer.train.step import StepFlags
+
+    with _benchmark_trainer(data, run_dir, sets) as trainer:
+        from host_overhead import DeviceReads  # benchmarks/ is on the path now
+
         for _ in range(2):
             trainer.step(StepFlags())
         with DeviceReads() as reads:
             trainer.step(StepFlags())
-    finally:
-        ctx.destroy()
     assert reads.count == expected, f"{reads.count} reads of the device in a steady step of {sets}, not {expected}"
     return 0
 
@@ -214,24 +223,15 @@ def test_a_steady_step_reads_the_device_once(corpus, tmp_path, sets, expected):
 
 
 def _nan_gradient_worker(data: str, run_dir: str, sets: tuple[str, ...]) -> int:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from host_overhead import build_trainer
-
     from megaformer.errors import TrainingError
     from megaformer.train.step import StepFlags
 
-    trainer, ctx = build_trainer(Path(data), Path(run_dir), sets)
-    try:
+    with _benchmark_trainer(data, run_dir, sets) as trainer:
         trainer.step(StepFlags())
         weight = next(trainer.model.parameters())
         weight.register_hook(lambda grad: grad * float("nan"))  # a finite loss, a NaN gradient
         with pytest.raises(TrainingError, match="the loss or the gradient norm is not finite"):
             trainer.step(StepFlags())
-    finally:
-        ctx.destroy()
     return 0
 
 

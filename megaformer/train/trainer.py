@@ -285,14 +285,12 @@ class Trainer:
         # loss scaler's overflow (lower the scale, go on). In fp32 and bf16 it is a diverged run.
         skipped_now = self.engine.skipped_steps > skipped_before
         skipped = skipped_now and self.cfg.train.precision == "fp16"
-        loss = torch.as_tensor(loss, dtype=torch.float32, device=self.ctx.device)
-        broken = torch.zeros_like(loss) if skipped else (self.engine.not_finite(loss) | skipped_now).float()
+        if skipped:  # an fp16 overflow's step updated nothing: its loss does not count, nor is the run broken
+            loss = broken = torch.zeros_like(loss)
+        else:
+            broken = (self.engine.not_finite(loss) | skipped_now).float()
         # Only a pipeline's last stage holds the loss (the others add 0); TP peers hold it each.
-        reduced = world_sum(
-            self.ctx,
-            [local, self.train_seconds] + flags.as_floats(),
-            (torch.zeros_like(loss) if skipped else loss, broken),
-        ).tolist()
+        reduced = world_sum(self.ctx, [local, self.train_seconds] + flags.as_floats(), (loss, broken)).tolist()
         # The mean training time before the step is the same on every rank (the time budget's rate).
         tokens, self.world_seconds = reduced[0] / replica, reduced[1] / self.ctx.layout.world_size
         flags, (loss_sum, broken_ranks) = StepFlags.any_of(reduced[2:-2]), reduced[-2:]
