@@ -19,7 +19,8 @@
 # USR1 and dies of it (its ranks then see their launcher gone, save and exit without requeueing):
 # `--signals-to-handle ...SIGUSR1` makes it pass USR1 on, so the ranks save and requeue as under
 # srun, and TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives them time to save before it kills them.
-# launcher/torchrun.py is torch's torchrun, ending on such a signal with a status instead of a traceback.
+# launcher/torchrun.py is torch's torchrun, ending on such a signal, or a failed rank, with a status and
+# one line instead of a traceback.
 
 set -euo pipefail
 # A warning before srun has started (SLURM may send it a minute early, or preempt at once) would

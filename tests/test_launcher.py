@@ -459,3 +459,35 @@ def test_torchrun_stopped_by_a_signal_is_a_status_not_a_traceback(tmp_path, sign
     assert proc.returncode == status and "Traceback" not in err, err[-3000:]
     last = f"torchrun: stopped by {signals[0].name}, passed on to the ranks: exit {status}"
     assert err.strip().splitlines()[-1] == last, err[-3000:]
+
+
+RANK_THAT_FAILS = """
+import os, signal, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(1)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("megaformer train: error: a setting of rank 1", file=sys.stderr)
+    sys.exit(2)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize(
+    "how, status, said",
+    [("exit", 2, "exit 2"), ("kill", 128 + signal.SIGKILL, "killed by SIGKILL")],
+    ids=["error", "signal"],
+)
+def test_torchrun_with_a_failed_rank_ends_on_one_line_with_the_ranks_status(tmp_path, how, status, said):
+    """LAUNCHER=torchrun: a rank's failure ended with torchrun's traceback, a table of every rank and status 1."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_THAT_FAILS)
+    argv = [sys.executable, "-m", "launcher.torchrun", "--standalone", "--nproc-per-node", "2", str(script), how]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("torchrun: rank 1 (local rank 1 on ") and f"failed first ({said}" in last, proc.stderr
+    assert last.endswith(f"its message, if any, is above: exit {status}"), proc.stderr
+    if how == "exit":
+        assert "megaformer train: error: a setting of rank 1" in proc.stderr
