@@ -114,6 +114,9 @@ lint: install
 # first and the SLURM cluster's minutes, much of them waiting on slurmctld, end the run alone).
 # On 2 cores the serial suite left a core idle a quarter of the time
 # (process start-up, SLURM's scheduling waits); two workers fill it: 13 min 30 s against 17 min.
+# A third worker there (2026-12-06, cold compile cache) left the cores idle 4.7 % of the time
+# against 7.5 %, and the suite took 14 min 13 s against 15 min 0 s: not worth a third process's
+# contention in the tests that wait on time (SLURM's, the launcher's).
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 2 ? 2 : (n > 8 ? 8 : n) )))
 test: install lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
