@@ -446,3 +446,44 @@ def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path):
     path.write_text("model:\n  d_model: 64\n  d_model: 128\n")
     with pytest.raises(ConfigError, match=r"twice.yaml: not valid YAML \(line 3, column 3\): 'd_model' is given twice"):
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    "data, lines",
+    [
+        (b"", []),
+        (b"\n", [""]),  # one empty line: it was no line at all, and translate wrote nothing for it
+        (b"\r\n", [""]),
+        (b"\n\n", ["", ""]),
+        (b"a\nb", ["a", "b"]),
+        (
+            b"\xef\xbb\xbfEin Hund.\r\nZwei.\r\n",
+            ["Ein Hund.", "Zwei."],
+        ),  # a reference's BOM lowered its first word's score
+    ],
+    ids=["empty", "one-empty-line", "one-crlf", "two-empty", "no-final-newline", "bom-crlf"],
+)
+def test_text_lines_are_the_files_lines(tmp_path, data, lines):
+    from megaformer.decode.translate import read_text_lines
+
+    (tmp_path / "f.txt").write_bytes(data)
+    assert read_text_lines(tmp_path / "f.txt") == lines
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"\xff\xfe" + "Ein Hund.\n".encode("utf-16-le"), "UTF-16 text (byte-order mark ff fe)"),
+        ("Ein Hund.\n".encode("utf-16-le"), "NUL bytes on line 1"),
+        (b"\x1f\x8b\x08\x00", "gzip data in a file not named .gz"),
+        (b"a\rb\rc\r", "line 1 holds 2 carriage returns"),
+    ],
+    ids=["utf16-bom", "utf16-no-bom", "gzip-unnamed", "cr-only"],
+)
+def test_text_that_is_not_utf8_lines_is_refused_naming_the_file(tmp_path, data, fragment):
+    from megaformer.decode.translate import read_text_lines
+    from megaformer.errors import DataError
+
+    (tmp_path / "f.txt").write_bytes(data)
+    with pytest.raises(DataError, match=f"f.txt: {fragment}".replace("(", r"\(").replace(")", r"\)")):
+        read_text_lines(tmp_path / "f.txt")

@@ -76,6 +76,45 @@ def test_whole_file_problems_name_the_file(tmp_path: Path, src: bytes, tgt: byte
         list(ParallelCorpus(tmp_path / "c", "en", "de"))
 
 
+GOOD = "A man with a dog.\nZwei Männer.\n"
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("c.de", b"\xff\xfe" + GOOD.encode("utf-16-le"), r"c\.de: UTF-16 text \(byte-order mark ff fe\)"),
+        ("c.de", b"\xfe\xff" + GOOD.encode("utf-16-be"), r"c\.de: UTF-16 text \(byte-order mark fe ff\)"),
+        ("c.de", GOOD.encode("utf-16-le"), r"c\.de: NUL bytes on line 1"),
+        ("c.de", gzip.compress(GOOD.encode()), r"c\.de: gzip data in a file not named \.gz: name it c\.de\.gz"),
+        ("c.de", (GOOD * 2).replace("\n", "\r").encode(), r"c\.de: line 1 holds 3 carriage returns"),
+    ],
+    ids=["utf16le-bom", "utf16be-bom", "utf16le-no-bom", "gzip-unnamed", "cr-only"],
+)
+def test_a_file_that_is_not_utf8_text_with_newlines_is_refused_by_its_first_line(tmp_path, name, data, message):
+    """UTF-16 ASCII is valid UTF-8 with NULs: it was kept and trained as letters and <unk>; a CR-only file was one line."""
+    write(tmp_path / "c.en", b"A man with a dog.\r\nTwo men.\r\n")  # CRLF is text: read as two lines
+    write(tmp_path / name, data)
+    with pytest.raises(DataError, match=message):
+        list(ParallelCorpus(tmp_path / "c", "en", "de"))
+
+
+def test_a_file_mostly_not_utf8_is_refused_and_a_few_bad_lines_are_counted(tmp_path: Path) -> None:
+    """A Latin-1 file lost its lines with an umlaut one by one: a biased remnant trained, exit 0."""
+    write(tmp_path / "c.en", b"".join(b"a man %d\n" % i for i in range(300)))
+    write(tmp_path / "c.de", b"".join(b"ein M\xe4nner %d\n" % i for i in range(300)))  # Latin-1
+    counts = SplitCounts()
+    text = TextFilter(FilterSettings(), counts)
+    with pytest.raises(DataError, match=r"c\.de: 100 of the first 100 lines are not UTF-8: .*iconv"):
+        for line in ParallelCorpus(tmp_path / "c", "en", "de"):
+            text.accept(line)
+    lines = [b"ein Mann %d\n" % i if i % 50 else b"ein M\xe4nner %d\n" % i for i in range(300)]
+    write(tmp_path / "c.de", b"".join(lines))
+    counts = SplitCounts()
+    text = TextFilter(FilterSettings(), counts)
+    kept = [pair for line in ParallelCorpus(tmp_path / "c", "en", "de") if (pair := text.accept(line))]
+    assert len(kept) == 294 and counts.rejected["not_utf8"] == 6
+
+
 def test_broken_gzip_names_the_file(tmp_path: Path) -> None:
     write(tmp_path / "c.en", b"a\n")
     (tmp_path / "c.de.gz").write_bytes(gzip.compress(b"a\n" * 1000)[:-20])

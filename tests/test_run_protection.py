@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -608,3 +609,20 @@ def test_a_config_for_another_direction_is_refused_and_the_run_records_the_datas
     assert not (tmp_path / "run").exists()
     recorded = (finished / "config.yaml").read_text()  # left empty in the config: the data's direction
     assert "src_lang: xx" in recorded and "tgt_lang: yy" in recorded, recorded
+
+
+def test_a_valid_split_it_cannot_stream_is_refused_before_training(tmp_path):
+    """Every valid sentence over data.max_len (a CR-only valid file is one long sentence): the run died at its
+    first validation, after eval_interval steps, with nothing saved."""
+    words = [f"w{i}" for i in range(40)]
+    for prefix, count, length in (("train", 400, 3), ("valid", 5, 120)):
+        for lang in ("en", "de"):
+            lines = [" ".join(words[(i + j) % 40] for j in range(length)) for i in range(count)]
+            (tmp_path / f"{prefix}.{lang}").write_text("\n".join(lines) + "\n")
+    argv = ["prepare", "--train", str(tmp_path / "train"), "--valid", str(tmp_path / "valid")]
+    assert cli.main([*argv, "--vocab-size", "44", "--out", str(tmp_path / "data"), "--quiet"]) == 0
+    run = tmp_path / "run"
+    proc = _train(run, tmp_path / "data", "data.max_len=64", "train.max_steps=4", "train.eval_interval=2")
+    line = _one_line_error(proc, "split valid has no sample to stream: all 5 are longer than data.max_len=64")
+    assert "raise data.max_len" in line and not re.search(r"step +\d+/4 \| loss", proc.stdout), proc.stdout[-2000:]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())

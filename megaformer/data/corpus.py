@@ -35,6 +35,10 @@ from megaformer.files import sha256_of
 
 # Every reason a training pair can be dropped, in the order the checks run.
 REJECT_REASONS: tuple[str, ...] = ("not_utf8", "empty", "duplicate", "too_long", "ratio")
+# A split whose lines are not UTF-8 for over half of at least its first 100 is a file in another
+# encoding (Latin-1, cp1252): rejecting its lines one by one would keep a biased remnant (those
+# without an accented letter), so it is refused.
+MOSTLY_NOT_UTF8 = (100, 0.5)
 
 # Characters that text readers (Python's universal newlines, str.splitlines) treat as line
 # breaks: replaced by a space in the raw reference copies so that those keep one sentence a line.
@@ -67,17 +71,46 @@ def find_side(prefix: str | Path, lang: str) -> Path:
     raise DataError(f"{plain}: no such file (nor {plain}.gz)")
 
 
+def not_text(first: bytes, path: Path) -> DataError | None:
+    """Why a file whose first line (as read, up to and with its newline) is ``first`` is not UTF-8 text with
+    newline line ends, or None.
+
+    UTF-16 is caught by its byte-order mark or its NUL bytes: ASCII in UTF-16 is valid UTF-8
+    with a NUL after each letter, which would train as letters and ``<unk>``. A file with
+    carriage returns only (old Mac line ends) reads as one line holding the whole file.
+    """
+    if first.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return DataError(
+            f"{path}: UTF-16 text (byte-order mark {first[:2].hex(' ')}), megaformer reads UTF-8: convert it, "
+            "e.g. iconv -f UTF-16 -t UTF-8"
+        )
+    if first.startswith(b"\x1f\x8b") and path.suffix != ".gz":
+        return DataError(f"{path}: gzip data in a file not named .gz: name it {path.name}.gz, or decompress it")
+    if b"\x00" in first:
+        return DataError(f"{path}: NUL bytes on line 1: not UTF-8 text (UTF-16 without a byte-order mark?)")
+    returns = first.rstrip(b"\n").rstrip(b"\r").count(b"\r")
+    if returns > 1:
+        return DataError(
+            f"{path}: line 1 holds {returns} carriage returns: line ends of CR alone (old Mac)? "
+            "convert them to newlines, e.g. tr '\\r' '\\n'"
+        )
+    return None
+
+
 def read_lines(path: Path) -> Iterator[bytes]:
     """The lines of a plain or gzip file as bytes, without the line ending.
 
     A file with no line at all is a DataError, as is a gzip file that is truncated or
-    not gzip: both name the file.
+    not gzip, and one that is not UTF-8 text by its first line (:func:`not_text`): each
+    names the file.
     """
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
             empty = True
             for line in f:
+                if empty and (problem := not_text(line, path)) is not None:
+                    raise problem
                 empty = False
                 yield line.rstrip(b"\n").rstrip(b"\r")
             if empty:
@@ -236,6 +269,13 @@ class TextFilter:
                 bad_path, bad_raw = (line.src_path, line.raw_src) if line.src is None else (line.tgt_path, line.raw_tgt)
                 raise utf8_error(bad_raw, bad_path, line.number)
             self.counts.reject("not_utf8")
+            bad = self.counts.rejected["not_utf8"]
+            if self.counts.read >= MOSTLY_NOT_UTF8[0] and bad > self.counts.read * MOSTLY_NOT_UTF8[1]:
+                path = line.src_path if line.src is None else line.tgt_path
+                raise DataError(
+                    f"{path}: {bad:,} of the first {self.counts.read:,} lines are not UTF-8: the file is in another "
+                    "encoding; convert it (e.g. iconv -f latin1 -t utf-8) and prepare again"
+                )
             return None
         src, tgt = normalize(line.src), normalize(line.tgt)
         if not self.settings.keep_empty and (not src or not tgt):

@@ -272,8 +272,15 @@ class TokenBatchStream:
         longest = self.data.lengths.max(axis=1, initial=0) if len(self.data.lengths) else np.zeros(0, np.int64)
         kept = longest <= self.settings.max_len if self.settings.max_len > 0 else np.ones(len(longest), dtype=bool)
         self.excluded = int((~kept).sum())
+        if not len(longest):
+            raise DataError(f"{where}: split {self.split} holds no sample: prepare it again with its text")
         if not kept.any():
-            raise DataError(f"{where}: split {self.split} has no sample to stream (max_len={self.settings.max_len})")
+            shortest = int(longest.min())
+            raise DataError(
+                f"{where}: split {self.split} has no sample to stream: all {len(longest):,} are longer than "
+                f"data.max_len={self.settings.max_len} tokens (the shortest {shortest}): raise data.max_len, or "
+                "prepare the split again"
+            )
         if self.excluded:
             warnings.warn(
                 f"{where}: {self.excluded} samples of split {self.split} are longer than max_len="

@@ -29,6 +29,7 @@ import torch
 
 from megaformer.checkpoint import Consolidated, resolve_checkpoint
 from megaformer.config import ParallelConfig
+from megaformer.data.corpus import not_text
 from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.decode.beam import Hypothesis, SearchSettings, search
 from megaformer.decode.loading import build_model, check_layout, load_model_file, load_tokenizer
@@ -43,8 +44,11 @@ def read_text_lines(path: str | Path | None) -> list[str]:
     """The lines of a UTF-8 file (stdin for None or "-"), without their line ends; '' stays a line.
 
     A path ending in ``.gz`` is read as gzip (Multi30k and WMT ship their test sets so); one
-    that is truncated or not gzip is a DataError naming it.
+    that is truncated or not gzip is a DataError naming it, as is UTF-16, gzip under another
+    name and CR-only line ends (:func:`megaformer.data.corpus.not_text`). A leading UTF-8
+    byte-order mark is dropped (a reference's first word kept it, and scored lower).
     """
+    name = Path("stdin" if path is None or str(path) == "-" else path)
     try:
         if path is None or str(path) == "-":
             data = sys.stdin.buffer.read()
@@ -52,7 +56,9 @@ def read_text_lines(path: str | Path | None) -> list[str]:
             data = Path(path).read_bytes()
             if Path(path).suffix == ".gz":
                 data = gzip.decompress(data)
-        text = data.decode("utf-8")
+        if (problem := not_text(data.split(b"\n", 1)[0], name)) is not None:
+            raise problem
+        text = data.decode("utf-8-sig")
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -62,9 +68,11 @@ def read_text_lines(path: str | Path | None) -> list[str]:
     except UnicodeDecodeError as err:
         line = _line_of(err)
         raise DataError(f"{path or 'stdin'}: not UTF-8 text (line {line})") from None
-    if text.endswith("\n"):
+    if not text:
+        return []
+    if text.endswith("\n"):  # the last line's end; a file of one empty line is one line
         text = text[:-1]
-    return [line.rstrip("\r") for line in text.split("\n")] if text else []
+    return [line.rstrip("\r") for line in text.split("\n")]
 
 
 def _line_of(err: UnicodeDecodeError) -> int:
