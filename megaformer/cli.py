@@ -182,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     kernel_cache_defaults()
     compile_cache_defaults()
     wanted = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(wanted).parse_args(argv)
+    try:
+        args = build_parser(wanted).parse_args(argv)  # imports the command's module: torch, seconds
+    except KeyboardInterrupt:
+        print(f"megaformer{' ' + wanted if wanted else ''}: interrupted", file=sys.stderr)
+        return 130
     command: Command = args._command
     try:
         return int(getattr(command.load(), command.main)(args) or 0)

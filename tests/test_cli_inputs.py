@@ -487,3 +487,14 @@ def test_text_that_is_not_utf8_lines_is_refused_naming_the_file(tmp_path, data, 
     (tmp_path / "f.txt").write_bytes(data)
     with pytest.raises(DataError, match=f"f.txt: {fragment}".replace("(", r"\(").replace(")", r"\)")):
         read_text_lines(tmp_path / "f.txt")
+
+
+def test_ctrl_c_while_a_command_imports_its_modules_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in the first seconds (torch importing for the parser) printed a 40-line KeyboardInterrupt traceback."""
+
+    def interrupted(wanted):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["prepare", "--synthetic", "10", "--out", "x"]) == 130
+    assert capsys.readouterr().err == "megaformer prepare: interrupted\n"
