@@ -362,3 +362,14 @@ def test_synthetic_in_one_go(capsys: pytest.CaptureFixture, tmp_path: Path) -> N
     assert all(Path(s["path"]).is_file() for s in manifest["splits"]["train"]["sources"])  # recorded where they end up
     code, _, err = run_cli(capsys, "prepare", "--synthetic", "10", "--train", "x", "--out", str(tmp_path / "y"))
     assert_one_line_error(code, err, "prepare", "--synthetic")
+
+
+def test_text_of_only_sentences_too_long_for_sentencepiece_says_so(tmp_path):
+    """sentencepiece skips sentences over 4,192 bytes and then fails with an empty reason after the colon."""
+    from megaformer.data.tokenizer import train_bpe
+    from megaformer.errors import DataError
+
+    text = tmp_path / "long.txt"
+    text.write_text("".join(" ".join(f"w{i}{j}" for j in range(1200)) + "\n" for i in range(3)))
+    with pytest.raises(DataError, match=r"--vocab-size 60: no sentence of at most 4,192 bytes"):
+        train_bpe([text], tmp_path / "spm.model", vocab_size=60, seed=1)

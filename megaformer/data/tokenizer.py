@@ -66,7 +66,11 @@ def train_bpe(
                 f"{setting} {vocab_size} is larger than {described_as} supports "
                 f"(at most {too_high.group(2)}): lower {setting}"
             ) from None
-        reason = message.split("] ", 1)[-1].strip()
+        reason = message.split("] ", 1)[-1].strip() or message.strip()
+        if "sentences_.empty()" in message:  # every sentence over its max_sentence_length: skipped, said nowhere
+            reason = (
+                "no sentence of at most 4,192 bytes, the longest sentencepiece trains on: are the lines whole texts?"
+            )
         too_low = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)\.", message)
         if too_low:  # sentencepiece's own advice names its own flag, not megaformer's option
             reason = (
