@@ -176,5 +176,6 @@ def test_length_filters() -> None:
     assert length_reject(10, 10, settings) is None
     assert length_reject(11, 4, settings) == "too_long"
     assert length_reject(2, 7, settings) == "ratio"
-    assert length_reject(0, 3, settings) is None  # empty side kept by --keep-empty: ratio against 1
+    assert length_reject(1, 4, settings) == "ratio"
+    assert length_reject(0, 10, settings) is None  # an empty side, kept by --keep-empty: no ratio (was against 1)
     assert length_reject(500, 1, FilterSettings(max_len=0, max_ratio=0)) is None

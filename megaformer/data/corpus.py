@@ -291,10 +291,18 @@ class TextFilter:
 
 
 def length_reject(src_len: int, tgt_len: int, settings: FilterSettings) -> str | None:
-    """The token-stage reason to drop a training pair (``too_long`` / ``ratio``), or None to keep it."""
+    """The token-stage reason to drop a training pair (``too_long`` / ``ratio``), or None to keep it.
+
+    A pair with an empty side (kept by ``--keep-empty``) has no ratio: measured against 1 token,
+    --max-ratio dropped all but the shortest of the pairs the option was asked to keep.
+    """
     if settings.max_len and max(src_len, tgt_len) > settings.max_len:
         return "too_long"
-    if settings.max_ratio and max(src_len, tgt_len) > settings.max_ratio * max(1, min(src_len, tgt_len)):
+    if (
+        settings.max_ratio
+        and min(src_len, tgt_len)
+        and max(src_len, tgt_len) > settings.max_ratio * min(src_len, tgt_len)
+    ):
         return "ratio"
     return None
 
