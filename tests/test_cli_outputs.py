@@ -259,6 +259,15 @@ def test_average_last_defaults_to_decode_average_last(text_run, run, tmp_path):
     assert_one_line_error(code, err, "2 complete checkpoints, the run's decode.average_last asks for 5: pass --last 2")
 
 
+def test_average_of_one_checkpoint_named_twice_is_refused(text_run, run, tmp_path):
+    """`--ckpt S S` averaged S with itself (and any other named once at half its weight) without a word."""
+    step = text_run["run"] / "checkpoints" / "step-00000800"
+    again = step.parent / ".." / "checkpoints" / step.name
+    code, _, err = run("average", "--ckpt", step, again, "--out", tmp_path / "avg.pt")
+    assert_one_line_error(code, err, f"--ckpt {again}: given twice (as {step} too)")
+    assert not (tmp_path / "avg.pt").exists()
+
+
 def test_average_takes_checkpoints_that_differ_only_in_dropout(text_run, run, tmp_path):
     """A resume may change model.dropout (it changes how the weights train, not what they compute): such
     checkpoints average; another width is still refused, naming it."""

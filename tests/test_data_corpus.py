@@ -64,7 +64,7 @@ def test_reads_both_sides_in_step_plain_and_gzip(tmp_path: Path) -> None:
     "src, tgt, message",
     [
         (b"a\nb\nc\n", b"a\nb\n", r"line counts differ: .*c\.en has 3 lines, .*c\.de has 2"),
-        (b"a\n", b"a\nb\nc\n", r"line counts differ: .*c\.en has 1 lines, .*c\.de has 3"),
+        (b"a\n", b"a\nb\nc\n", r"line counts differ: .*c\.en has 1 line, .*c\.de has 3"),
         (b"", b"a\n", r"c\.en: file is empty"),
         (b"a\n", b"", r"c\.de: file is empty"),
     ],

@@ -114,6 +114,10 @@ def main(args: argparse.Namespace) -> int:
         if args.last is not None:
             raise ConfigError("--last goes with --run-dir, not with --ckpt")
         paths = [Path(p) for p in args.ckpt]
+        seen: dict[Path, Path] = {}
+        for path in paths:
+            if (first := seen.setdefault(path.resolve(), path)) is not path:
+                raise ConfigError(f"--ckpt {path}: given twice (as {first} too): it would weigh twice in the average")
     _check_out(Path(args.out), paths, args.force)
     model = average_checkpoints(paths, load=lambda p: open_model(p, "average")[0])
     try:

@@ -204,7 +204,8 @@ class ParallelCorpus:
 
     def _mismatch(self, shorter: int, longer: int, *, longer_is_src: bool) -> None:
         src_n, tgt_n = (longer, shorter) if longer_is_src else (shorter, longer)
-        raise DataError(f"line counts differ: {self.src_path} has {src_n} lines, {self.tgt_path} has {tgt_n}")
+        lines = "line" if src_n == 1 else "lines"
+        raise DataError(f"line counts differ: {self.src_path} has {src_n} {lines}, {self.tgt_path} has {tgt_n}")
 
 
 @dataclass
