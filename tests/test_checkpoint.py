@@ -117,7 +117,7 @@ def _reader_args(command: str, step_dir, data_dir, tmp_path) -> list:
         "translate": ["translate", "--ckpt", step_dir, "--input", src, "--quiet"],
         "evaluate": ["evaluate", "--ckpt", step_dir, "--input", src, "--ref", src, "--quiet"],
         "export": ["export", "--ckpt", step_dir, "--out", tmp_path / "exported.pt"],
-        "average": ["average", "--ckpt", step_dir, step_dir, "--out", tmp_path / "avg.pt"],
+        "average": ["average", "--ckpt", step_dir.parent / "step-00000010", step_dir, "--out", tmp_path / "avg.pt"],
         "reshard": ["reshard", "--ckpt", step_dir, "--out", tmp_path / "resharded", "--tp", "2"],
     }[command]
 

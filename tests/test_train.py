@@ -181,6 +181,28 @@ def test_resume_at_other_tp(corpus, tp2_run, tmp_path, tp):
         assert abs(resumed[step]["grad_norm"] - reference[step]["grad_norm"]) <= 1e-4 * reference[step]["grad_norm"]
 
 
+def test_a_tp_size_that_pads_the_vocabulary_otherwise_resumes_reshards_and_decodes_at_others(corpus, tmp_path):
+    """parallel.vocab_multiple=24 pads to a multiple of 48 at tp=2, of 24 at tp=1 and 96 at tp=4 (as the
+    default does at tp=3): the checkpoint kept tp=2's rows, which no other TP size could load, reshard or
+    decode ("was it written with another model.* config?"). Padded rows carry nothing: the losses agree."""
+    sets = common(corpus) + ["parallel.vocab_multiple=24", "train.max_steps=12"]
+    ok(train(tmp_path / "tp2", 2, sets + ["parallel.tp=2"]))
+    run = tmp_path / "tp1"
+    _resume_from(tmp_path / "tp2", 10, run)
+    ok(train(run, 1, sets + ["parallel.tp=1", "train.save_interval=0"]))
+    resumed, reference = losses(run), losses(tmp_path / "tp2")
+    for step in (11, 12):
+        assert abs(resumed[step]["loss"] - reference[step]["loss"]) <= 1e-5 * reference[step]["loss"], step
+    step10 = tmp_path / "tp2" / "checkpoints" / "step-00000010"
+    ok(megaformer("reshard", "--ckpt", step10, "--out", tmp_path / "tp4" / "checkpoints", "--tp", "4"))
+    ok(train(tmp_path / "tp4", 4, sets + ["parallel.tp=4", "train.save_interval=0"]))
+    resumed4 = losses(tmp_path / "tp4")
+    assert abs(resumed4[11]["loss"] - reference[11]["loss"]) <= 1e-5 * reference[11]["loss"]
+    source = tmp_path / "in.txt"
+    source.write_text("a b c\n")
+    ok(megaformer("translate", "--ckpt", step10, "--input", source))
+
+
 def test_resume_at_smaller_dp(corpus, dp2_run, tmp_path):
     run = tmp_path / "run"
     _resume_from(dp2_run, 10, run)

@@ -132,12 +132,16 @@ def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
 
 def _write_resharded(src: Path, tmp: Path, meta: dict, info: dict, full: dict, tp: int) -> None:
     """The TP shards of the merged ``full`` state, the carried rank files and tokenizer, and meta.json (last)."""
-    from megaformer.parallel import TPGroup
-    from megaformer.parallel.sharding import shard_full
+    from megaformer.parallel import TPGroup, padded_vocab_size
+    from megaformer.parallel.sharding import fit_vocab_rows, shard_full
 
+    rows = padded_vocab_size(meta["vocab_size"], tp, from_dict(meta["config"]).parallel.vocab_multiple)
     for r in range(tp):
         group = TPGroup(group=None, size=tp, rank=r)
-        part = {key: {n: shard_full(t, *info[n], group).clone() for n, t in ts.items()} for key, ts in full.items()}
+        part = {
+            key: {n: shard_full(fit_vocab_rows(n, t, rows), *info[n], group).clone() for n, t in ts.items()}
+            for key, ts in full.items()
+        }
         atomic_torch_save(part, tmp / model_file_name(r, tp))
     for name in meta["files"]:  # rank files and the tokenizer are carried as they are
         if name.startswith("rank-") or name == "tokenizer.model":

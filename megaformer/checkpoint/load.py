@@ -36,16 +36,23 @@ def shard_info_of(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
 def merged_state(
     step_dir: Path, meta: dict, shard_info: dict[str, tuple[int | None, int]], keys: tuple[str, ...] = TENSOR_KEYS
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions)."""
-    from megaformer.parallel.sharding import merge_shards
+    """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions).
 
+    The vocabulary's rows are cut to their TP=1 padding: a TP size that pads further (tp=3)
+    wrote more, which no other TP size could take.
+    """
+    from megaformer.parallel import padded_vocab_size
+    from megaformer.parallel.sharding import fit_vocab_rows, merge_shards
+
+    rows = padded_vocab_size(meta["vocab_size"], 1, from_dict(meta["config"]).parallel.vocab_multiple)
     out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
     for stage in model_files(meta):  # a pipelined run's stages hold disjoint sets of names
         shards = [read_shard(step_dir, meta, name) for name in stage]
         for key in keys:
             for name in shards[0][key]:
                 dim, partitions = shard_info.get(name, (None, 1))
-                out[key][name] = merge_shards([s[key][name] for s in shards], dim, partitions)
+                full = merge_shards([s[key][name] for s in shards], dim, partitions)
+                out[key][name] = fit_vocab_rows(name, full, rows)
     return out
 
 
@@ -161,7 +168,7 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
     The caller has checked the model's settings (:func:`check_same_model`, before the run
     directory is written); names and shapes are checked here.
     """
-    from megaformer.parallel.sharding import shard_full
+    from megaformer.parallel.sharding import fit_vocab_rows, shard_full
 
     meta = check_complete(step_dir)
     old = meta["layout"]
@@ -172,8 +179,11 @@ def load_checkpoint(step_dir: Path, ctx, model: torch.nn.Module, stages: list[in
     else:  # another TP size or pipeline cut: merge every shard, keep this stage's names, split for this TP rank
         info = shard_info_of(model)
         full = merged_state(step_dir, meta, info)
+        rows = {n: p.shape[0] * ctx.tp.size for n, p in model.named_parameters()}  # this TP size's padding
         shard = {
-            key: {n: shard_full(t, *info[n], ctx.tp) for n, t in tensors.items() if n in names}
+            key: {
+                n: shard_full(fit_vocab_rows(n, t, rows[n]), *info[n], ctx.tp) for n, t in tensors.items() if n in names
+            }
             for key, tensors in full.items()
         }
     if set(shard["param"]) != names:

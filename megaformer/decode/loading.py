@@ -20,7 +20,7 @@ from megaformer.checkpoint import STEP_DIR, Consolidated, consolidate, load_for_
 from megaformer.data.tokenizer import check_special_ids
 from megaformer.errors import CheckpointError
 from megaformer.model import Transformer
-from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state, padded_vocab_size
+from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state
 
 
 def load_model_file(path: str | Path, log: Callable[[str], None] | None = None) -> Consolidated:
@@ -81,12 +81,10 @@ def check_layout(model: Consolidated, tp_size: int, *, source: str = "") -> None
     """Reject a TP size the model cannot be split over, before any process starts."""
     cfg = model.config
     check_model_split(cfg.model, tp_size, "--tp")
-    padded = padded_vocab_size(model.vocab_size, tp_size, cfg.parallel.vocab_multiple)
-    embed = model.model.get("embed.weight")
-    if embed is not None and embed.shape[0] != padded:
+    embed = model.model.get("embed.weight")  # its padding is fitted to the TP size as it is split
+    if embed is not None and embed.shape[0] < model.vocab_size:
         raise CheckpointError(
-            f"{source}: the embedding has {embed.shape[0]} rows; vocabulary {model.vocab_size} padded for "
-            f"tp={tp_size} needs {padded}: decode with a TP size whose padding matches the training run's"
+            f"{source}: the embedding has {embed.shape[0]} rows, fewer than the vocabulary's {model.vocab_size}"
         )
 
 

@@ -43,6 +43,26 @@ def _blocks(full: torch.Tensor, dim: int, partitions: int) -> list[torch.Tensor]
     return list(full.chunk(partitions, dim=dim))
 
 
+# The one tensor with the padded vocabulary's rows (the tied embedding and output table): its padding
+# depends on the TP size (parallel/layout.py::padded_vocab_size) wherever tp x 8 does not divide
+# parallel.vocab_multiple (tp=3, or another multiple), so a merged checkpoint keeps the TP=1 padding
+# and a split one the padding of the TP size it is split for (:func:`fit_vocab_rows`).
+VOCAB_ROWS = "embed.weight"
+
+
+def fit_vocab_rows(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with ``rows`` rows if it is :data:`VOCAB_ROWS` (the padding cut, or added as zeros), else as it is.
+
+    Padded rows never get probability and no token id reaches them, so their values (and
+    Adam's moments there) carry nothing: cutting or adding them changes no result.
+    """
+    if name != VOCAB_ROWS or tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        return tensor[:rows].clone()
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
 def shard_full(full: torch.Tensor, dim: int | None, partitions: int, tp: TPGroup) -> torch.Tensor:
     """This rank's slice of a TP=1 tensor: the ``tp.rank``-th part of every stacked block."""
     if dim is None or tp.size == 1:
@@ -142,7 +162,8 @@ def load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor], tp: 
         raise ValueError(f"model state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     with torch.no_grad():
         for name, p in params.items():
-            local = shard_full(state[name], tp_dim(p), tp_partitions(p), tp)
+            full = fit_vocab_rows(name, state[name], p.shape[0] * tp.size)
+            local = shard_full(full, tp_dim(p), tp_partitions(p), tp)
             if local.shape != p.shape:
                 raise ValueError(
                     f"{name}: saved shape {tuple(state[name].shape)} gives {tuple(local.shape)} "
