@@ -24,7 +24,7 @@ from megaformer.checkpoint.format import (
     model_file_name,
     resolve_checkpoint,
 )
-from megaformer.checkpoint.load import merged_state, shape_info
+from megaformer.checkpoint.load import merged_state, shape_info, vocab_rows
 from megaformer.checkpoint.save import file_entries
 from megaformer.config import Config, from_dict, to_dict
 from megaformer.errors import CheckpointError
@@ -132,10 +132,10 @@ def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
 
 def _write_resharded(src: Path, tmp: Path, meta: dict, info: dict, full: dict, tp: int) -> None:
     """The TP shards of the merged ``full`` state, the carried rank files and tokenizer, and meta.json (last)."""
-    from megaformer.parallel import TPGroup, padded_vocab_size
+    from megaformer.parallel import TPGroup
     from megaformer.parallel.sharding import fit_vocab_rows, shard_full
 
-    rows = padded_vocab_size(meta["vocab_size"], tp, from_dict(meta["config"]).parallel.vocab_multiple)
+    rows = vocab_rows(meta, tp)
     for r in range(tp):
         group = TPGroup(group=None, size=tp, rank=r)
         part = {

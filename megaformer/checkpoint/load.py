@@ -41,10 +41,9 @@ def merged_state(
     The vocabulary's rows are cut to their TP=1 padding: a TP size that pads further (tp=3)
     wrote more, which no other TP size could take.
     """
-    from megaformer.parallel import padded_vocab_size
     from megaformer.parallel.sharding import fit_vocab_rows, merge_shards
 
-    rows = padded_vocab_size(meta["vocab_size"], 1, from_dict(meta["config"]).parallel.vocab_multiple)
+    rows = vocab_rows(meta, 1)
     out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
     for stage in model_files(meta):  # a pipelined run's stages hold disjoint sets of names
         shards = [read_shard(step_dir, meta, name) for name in stage]
@@ -54,6 +53,13 @@ def merged_state(
                 full = merge_shards([s[key][name] for s in shards], dim, partitions)
                 out[key][name] = fit_vocab_rows(name, full, rows)
     return out
+
+
+def vocab_rows(meta: dict, tp: int) -> int:
+    """The embedding's rows (the vocabulary padded) of the checkpoint's model split over ``tp`` ranks."""
+    from megaformer.parallel import padded_vocab_size
+
+    return padded_vocab_size(meta["vocab_size"], tp, from_dict(meta["config"]).parallel.vocab_multiple)
 
 
 def shape_info(meta: dict) -> dict[str, tuple[int | None, int]]:

@@ -38,7 +38,7 @@ REJECT_REASONS: tuple[str, ...] = ("not_utf8", "empty", "duplicate", "too_long",
 # A split whose lines are not UTF-8 for over half of at least its first 100 is a file in another
 # encoding (Latin-1, cp1252): rejecting its lines one by one would keep a biased remnant (those
 # without an accented letter), so it is refused.
-MOSTLY_NOT_UTF8 = (100, 0.5)
+NOT_UTF8_AFTER_LINES, NOT_UTF8_SHARE = 100, 0.5
 
 # Characters that text readers (Python's universal newlines, str.splitlines) treat as line
 # breaks: replaced by a space in the raw reference copies so that those keep one sentence a line.
@@ -271,7 +271,7 @@ class TextFilter:
                 raise utf8_error(bad_raw, bad_path, line.number)
             self.counts.reject("not_utf8")
             bad = self.counts.rejected["not_utf8"]
-            if self.counts.read >= MOSTLY_NOT_UTF8[0] and bad > self.counts.read * MOSTLY_NOT_UTF8[1]:
+            if self.counts.read >= NOT_UTF8_AFTER_LINES and bad > self.counts.read * NOT_UTF8_SHARE:
                 path = line.src_path if line.src is None else line.tgt_path
                 raise DataError(
                     f"{path}: {bad:,} of the first {self.counts.read:,} lines are not UTF-8: the file is in another "

@@ -48,9 +48,10 @@ def read_text_lines(path: str | Path | None) -> list[str]:
     name and CR-only line ends (:func:`megaformer.data.corpus.not_text`). A leading UTF-8
     byte-order mark is dropped (a reference's first word kept it, and scored lower).
     """
-    name = Path("stdin" if path is None or str(path) == "-" else path)
+    stdin = path is None or str(path) == "-"
+    name = Path("stdin" if stdin else path)
     try:
-        if path is None or str(path) == "-":
+        if stdin:
             data = sys.stdin.buffer.read()
         else:
             data = Path(path).read_bytes()

@@ -41,10 +41,8 @@ class Validation:
     ) -> None:
         self.cfg, self.ctx, self.model, self.pipeline, self.stream = cfg, ctx, model, pipeline, stream
         self.has_valid = has_valid
-        if has_valid and cfg.train.eval_interval:
-            stream(
-                ctx.dp_rank, ctx.dp_size, "valid"
-            )  # a split it cannot stream is refused now, not at the first validation
+        if has_valid and cfg.train.eval_interval:  # a split it cannot stream: refused now, not at the first validation
+            stream(ctx.dp_rank, ctx.dp_size, "valid")
         self.bleu_sample = self._bleu_sample(log)
 
     def _bleu_sample(self, log: Callable[[str], None]) -> BleuSample | None:
