@@ -33,6 +33,8 @@ define m30k_score
 
 endef
 M30K_MISSING := $(strip $(foreach t,$(TESTS),$(foreach l,en de,$(if $(call m30k_side,$(t),$(l)),,$(t).$(l)))))
+# A side present both plain and gzip is refused, as prepare refuses it: the two may hold different text.
+M30K_BOTH := $(strip $(foreach t,$(TESTS),$(foreach l,en de,$(if $(word 2,$(wildcard $(DATA)/$(t).$(l) $(DATA)/$(t).$(l).gz)),$(t).$(l)))))
 # A checkpoint every MINUTES/24 minutes: the last 5, averaged, span the last ~20 % of any run length.
 M30K_SAVE := $(shell awk 'BEGIN { print $(MINUTES) / 24 }')
 # A machine with a CUDA GPU (nvidia-smi lists one) trains on one GPU, in one process, one micro-batch a
@@ -135,6 +137,7 @@ multi30k: install
 	$(if $(wildcard $(DATA)/.),,$(error DATA=$(DATA): no such folder (it holds train, val and the test sets, .en/.de)))
 	$(if $(TESTS),,$(error TESTS is empty: name at least one test set in DATA, e.g. TESTS=test_2016_flickr))
 	$(if $(M30K_MISSING),$(error TESTS: DATA=$(DATA) has no $(M30K_MISSING) (plain or .gz): set DATA or TESTS))
+	$(if $(M30K_BOTH),$(error TESTS: DATA=$(DATA) has $(M30K_BOTH) both plain and .gz: remove or move one of each))
 	$(if $(M30K_ON_GPU),$(M30K_CUDA_CHECK))
 	$(PY) -m megaformer.cli prepare --src en --tgt de --train $(DATA)/train --valid $(DATA)/val \
 		--test $(DATA)/$(firstword $(TESTS)) --vocab-size 8000 --out $(M30K)/data --force

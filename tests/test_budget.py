@@ -233,7 +233,8 @@ def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path)
 
 
 def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_before_training(tmp_path):
-    """TESTS: each set is scored from DATA, plain or gzip, into its own hypotheses; a missing one stops make first."""
+    """TESTS: each set is scored from DATA, plain or gzip, into its own hypotheses; a missing one, or one both
+    plain and gzip, stops make first."""
     data = _multi30k_data(tmp_path, {"test_2016_flickr": ".gz", "test_2017_mscoco": ""})
     tests = "TESTS=test_2016_flickr test_2017_mscoco"
     proc = _make_n(data, tests, "MINUTES=15", "M30K_GPUS=0")
@@ -247,6 +248,10 @@ def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_befo
     missing = _make_n(data, "TESTS=test_2016_flickr test_2018_flickr")
     assert missing.returncode != 0 and "megaformer.cli" not in missing.stdout, missing.stdout
     assert "has no test_2018_flickr.en test_2018_flickr.de" in missing.stderr, missing.stderr
+    (data / "test_2017_mscoco.de.gz").write_bytes(b"")  # both plain and gzip: which one is meant?
+    both = _make_n(data, tests)
+    assert both.returncode != 0 and "megaformer.cli" not in both.stdout, both.stdout
+    assert "has test_2017_mscoco.de both plain and .gz" in both.stderr, both.stderr
     nowhere = _make_n(tmp_path / "nowhere")
     assert nowhere.returncode != 0 and "megaformer.cli" not in nowhere.stdout, nowhere.stdout
     assert f"DATA={tmp_path / 'nowhere'}: no such folder" in nowhere.stderr, nowhere.stderr

@@ -38,14 +38,18 @@ def test_one_line_removes_line_breaking_characters() -> None:
     assert one_line("a\rb\u2028c\x0bd") == "a b c d"
 
 
-def test_find_side_prefers_plain_then_gz(tmp_path: Path) -> None:
+def test_find_side_takes_plain_or_gz_and_refuses_both(tmp_path: Path) -> None:
     write(tmp_path / "c.en.gz", b"x\n")
     assert find_side(tmp_path / "c", "en").name == "c.en.gz"
-    write(tmp_path / "c.en", b"x\n")
+    write(tmp_path / "c.en", b"y\n")
+    with pytest.raises(DataError, match=r"c\.en and .*c\.en\.gz both exist: .*remove or move the other"):
+        find_side(tmp_path / "c", "en")
+    (tmp_path / "c.en.gz").unlink()
     assert find_side(tmp_path / "c", "en").name == "c.en"
     with pytest.raises(DataError, match=r"c\.de: no such file \(nor .*c\.de\.gz\)"):
         find_side(tmp_path / "c", "de")
     # a side's file given where the prefix belongs (--train train.en.gz): the message names the prefix
+    write(tmp_path / "c.en.gz", b"x\n")
     with pytest.raises(DataError, match=r"c\.en\.gz is a file; --train, --valid and --test take the prefix .*/c\)"):
         find_side(tmp_path / "c.en.gz", "en")
 

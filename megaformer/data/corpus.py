@@ -56,11 +56,17 @@ def one_line(text: str) -> str:
 
 
 def find_side(prefix: str | Path, lang: str) -> Path:
-    """``PREFIX.lang`` if it exists, else ``PREFIX.lang.gz``; a DataError naming both otherwise."""
+    """``PREFIX.lang`` or ``PREFIX.lang.gz``, whichever exists; a DataError naming both if neither or both do.
+
+    Both present may hold different text (a file decompressed, then edited): which one a run read would
+    depend on a rule the user never sees, so neither is taken.
+    """
     plain = Path(f"{prefix}.{lang}")
-    for candidate in (plain, Path(f"{plain}.gz")):
-        if candidate.is_file():
-            return candidate
+    found = [c for c in (plain, Path(f"{plain}.gz")) if c.is_file()]
+    if len(found) == 2:
+        raise DataError(f"{plain} and {plain}.gz both exist: one side is read from one file; remove or move the other")
+    if found:
+        return found[0]
     given = Path(prefix)
     if given.is_file():  # a side's file where its prefix belongs: train.en.gz for train
         stem = given.name.removesuffix(".gz").rsplit(".", 1)[0]
