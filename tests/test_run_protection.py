@@ -626,3 +626,14 @@ def test_a_valid_split_it_cannot_stream_is_refused_before_training(tmp_path):
     line = _one_line_error(proc, "split valid has no sample to stream: all 5 are longer than data.max_len=64")
     assert "raise data.max_len" in line and not re.search(r"step +\d+/4 \| loss", proc.stdout), proc.stdout[-2000:]
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_a_step_plan_no_micro_batch_can_hold_is_refused_before_any_process_starts(shared_data, tmp_path):
+    """100 tokens a step over 2 DP streams cannot hold a sentence of data.max_len=64 and its eos: every rank
+    refused it after starting, and ``--check`` (slurm/common.sh's, before srun) passed it."""
+    sets = ("data.max_len=64", "train.tokens_per_step=100")
+    for extra in (("--nproc", "2", "--check"), ("--nproc", "2")):
+        began = time.monotonic()
+        line = _one_line_error(_train(tmp_path / "run", shared_data, *sets, extra=extra), "train.tokens_per_step=100")
+        assert "over 2 data streams" in line and "raise train.tokens_per_step to at least 130" in line, line
+        assert time.monotonic() - began < 10 and not (tmp_path / "run").exists()  # no rank started

@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from launcher.env import detect, slurm_job
-    from megaformer.train.launch import check_launch, launch
+    from megaformer.train.launch import check_launch, check_new_run_steps, launch
 
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
@@ -106,6 +106,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.tasks_per_node is not None and not args.check:
         raise ConfigError("--tasks-per-node describes the nodes for --check, which it comes with: add --check")
     layout = check_launch(cfg, world, args.tasks_per_node)  # fail before any process starts
+    if _starts_anew(Path(run_dir), resume):
+        check_new_run_steps(cfg, layout)
     if args.check:
         return _checked(cfg, run_dir, layout, resume)
     return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
@@ -123,6 +125,11 @@ def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> 
         f"run dir {run_dir} (resume {resume}): nothing started"
     )
     return 0
+
+
+def _starts_anew(run_dir: Path, resume: str) -> bool:
+    """Whether the run starts from nothing: no checkpoint given, none of its own to continue."""
+    return resume in ("auto", "none") and not any((run_dir / "checkpoints").glob("step-*"))
 
 
 def _saved_by(step_dir: Path, job: str | None) -> bool:

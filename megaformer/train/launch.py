@@ -92,6 +92,18 @@ def check_launch(cfg: Config, world: int, per_node: list[int] | None = None) -> 
     return layout
 
 
+def check_new_run_steps(cfg: Config, layout: ParallelLayout) -> None:
+    """A new run's step plan, as its ranks will make it: one data stream per DP rank, each step's
+    ``train.tokens_per_step`` in micro-batches of at most ``data.max_tokens`` that hold ``data.max_len`` + 1.
+
+    Only for a run that starts from nothing: a resumed run keeps its checkpoint's streams, which
+    only its ranks read (:func:`megaformer.train.feed.stream_count`).
+    """
+    from megaformer.data.batching import plan_step
+
+    plan_step(cfg.train.tokens_per_step, layout.dp, cfg.data.max_tokens, cfg.data.max_len + 1)
+
+
 @contextmanager
 def launch_scope() -> Iterator[None]:
     """USR1 held from here until the trainer handles it; the signal mask, TERM's handler and the launch variables
