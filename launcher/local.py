@@ -164,22 +164,45 @@ def _entry(
     os._exit(int(code or 0))
 
 
-def report_failures(reports: list[tuple[float, int, str, str]], codes: list[int | None], log=print) -> None:
+def report_failures(
+    reports: list[tuple[float, int, str, str]], codes: list[int | None], stopped: set[int] = frozenset(), log=print
+) -> None:
     """Print the failures of a run so that the first failing rank's message is the last line.
 
     Ranks that failed later (typically gloo's "Connection closed by peer" after the first one
-    died) get one line each, before it; a rank killed by a signal is named with the signal.
+    died) get one line each, before it; a rank killed by a signal is named with the signal, one
+    the launcher stopped itself (``stopped``: still running when another failed) as such.
     """
     reports = sorted(reports)
     reported = {rank for _, rank, _, _ in reports}
+    after = f" after rank {reports[0][1]} failed" if reports else ""
     for rank, code in enumerate(codes):
         if code is not None and code < 0 and rank not in reported:
-            log(f"rank {rank}: killed by signal {signal.Signals(-code).name}")
+            log(
+                f"rank {rank}: stopped by the launcher{after}"
+                if rank in stopped
+                else f"rank {rank}: killed by signal {signal.Signals(-code).name}"
+            )
     for _, rank, _, short in reports[1:]:
         log(f"rank {rank}: stopped after rank {reports[0][1]} failed ({short.strip()})")
     if reports:
         _, rank, full, _ = reports[0]
         log(f"rank {rank} failed first: {full}")
+
+
+def unreported_kills(
+    seen: list[int], codes: list[int | None], reports: list[tuple[float, int, str, str]], healthy_at: float
+) -> list[tuple[float, int, str, str]]:
+    """Reports for the ranks that the first failing poll found killed by a signal, which sent none (``kill -9``,
+    the OOM killer), dated ``healthy_at``: the poll before, when each was still running.
+
+    Their peers report "Connection closed by peer" at once, and so before the launcher sees the
+    kill: dated when they were seen, a killed rank was named after its peers, and a peer first.
+    A report dated before ``healthy_at`` (a rank failing on its own, then a peer aborting) stays first.
+    """
+    reported = {rank for _, rank, _, _ in reports}
+    lines = {rank: f"killed by signal {signal.Signals(-codes[rank]).name}" for rank in seen if (codes[rank] or 0) < 0}
+    return [(healthy_at, rank, line, line) for rank, line in lines.items() if rank not in reported]
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
@@ -226,15 +249,18 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
         forward(signum, None, record=False)
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
-    worst = 0
+    worst, first_failed, healthy_at = 0, [], time.time()
     try:
         while any(p.is_alive() for p in procs):
-            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            now = time.time()
+            failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if (failed and not forwarded) or time.monotonic() > deadline:  # after a forwarded signal: let all finish
-                worst = failed[0].exitcode if failed else 124
+                worst, first_failed = (procs[failed[0]].exitcode, failed) if failed else (124, [])
                 break
+            healthy_at = now
             time.sleep(0.05)
     finally:
+        stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
         for s, handler in previous.items():
             signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -254,7 +280,8 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             reports.append(errors.get(timeout=0.2))
         except queue.Empty:
             break
-    report_failures(reports, codes, log=lambda line: print(line, file=sys.stderr, flush=True))
+    reports += unreported_kills(first_failed, codes, reports, healthy_at)
+    report_failures(reports, codes, stopped, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:
         worst = max((shell_status(c) for c in codes if c), default=0)
     elif worst != 124:

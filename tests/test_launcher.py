@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launcher.env import detect, expand_nodelist, parse_hostlist
-from launcher.local import first_failure_status, spawn
+from launcher.local import first_failure_status, report_failures, spawn, unreported_kills
 from megaformer.errors import ConfigError
 from megaformer.parallel.groups import check_tp_within_nodes, describe_nodes
 from megaformer.parallel.layout import ParallelLayout
@@ -144,6 +144,29 @@ def test_a_rank_killed_by_a_signal_is_the_shells_status(capfd):
     assert "rank 0: killed by signal SIGKILL" in capfd.readouterr().err
 
 
+def _killed_in_a_collective(victim: int) -> int:
+    """Rank ``victim`` is SIGKILLed (the OOM killer, ``kill -9``) while its peers wait for it in a collective."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    dist.barrier()
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return 0
+
+
+def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(capfd):
+    """The killed rank says nothing; its peers report "Connection closed by peer" at once, and the earliest
+    report was named as the first failure (and its status returned) though it only followed the kill."""
+    code = spawn(_killed_in_a_collective, 4, 2, timeout_s=120)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 128 + signal.SIGKILL, err[-2000:]
+    assert lines[-1] == "rank 2 failed first: killed by signal SIGKILL", err[-2000:]
+    assert "Traceback" not in err and "rank 2 failed (" in err, err[-2000:]  # a peer's line names it
+
+
 def _sleeper() -> int:
     time.sleep(60)
     return 0
@@ -202,6 +225,21 @@ def test_exit_status_is_the_first_reporters_when_peers_exit_in_the_same_poll():
     assert first_failure_status(reports, [1, 2, 1], polled=1) == 2
     assert first_failure_status([], [1, 2, 1], polled=1) == 1  # no report: what the loop saw
     assert first_failure_status(reports[:1], [1, None, 1], polled=1) == 1
+
+
+def test_a_killed_rank_precedes_the_peers_that_reported_losing_it_within_the_poll():
+    """Rank 2 SIGKILLed after the poll at 10.00; ranks 0 and 1 reported its loss at 10.02 and 10.03, and the
+    poll at 10.05 saw all three gone: rank 2 failed first. A report before 10.00 was a failure of its own."""
+    lost = [(10.03, 1, "RuntimeError: Connection closed by peer", "RuntimeError: closed"), (10.02, 0, "x", "x")]
+    codes = [1, 1, -signal.SIGKILL, None]
+    reports = lost + unreported_kills([0, 1, 2], codes, lost, healthy_at=10.0)
+    lines = []
+    report_failures(reports, [1, 1, -9, -15], stopped={3}, log=lines.append)
+    assert lines[-1] == "rank 2 failed first: killed by signal SIGKILL", lines
+    assert "rank 3: stopped by the launcher after rank 2 failed" in lines and len(lines) == 4, lines
+    assert first_failure_status(reports, codes, polled=1) == -signal.SIGKILL
+    own = [(9.9, 1, "error: bad", "error: bad")]
+    assert min(own + unreported_kills([1, 2], codes, own, healthy_at=10.0))[1] == 1
 
 
 def _report_what_the_rank_took(out: str) -> int:
