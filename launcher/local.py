@@ -165,23 +165,29 @@ def _entry(
 
 
 def report_failures(
-    reports: list[tuple[float, int, str, str]], codes: list[int | None], stopped: set[int] = frozenset(), log=print
+    reports: list[tuple[float, int, str, str]],
+    codes: list[int | None],
+    *,
+    stopped: set[int] | frozenset[int] = frozenset(),
+    why: str = "",
+    log=print,
 ) -> None:
     """Print the failures of a run so that the first failing rank's message is the last line.
 
     Ranks that failed later (typically gloo's "Connection closed by peer" after the first one
     died) get one line each, before it; a rank killed by a signal is named with the signal, one
-    the launcher stopped itself (``stopped``: still running when another failed) as such.
+    the launcher stopped itself (``stopped``; ``why``, where no rank failed: its time limit) as such.
     """
     reports = sorted(reports)
     reported = {rank for _, rank, _, _ in reports}
-    after = f" after rank {reports[0][1]} failed" if reports else ""
+    after = f" after rank {reports[0][1]} failed" if reports else why
     for rank, code in enumerate(codes):
         if code is not None and code < 0 and rank not in reported:
+            name = signal.Signals(-code).name
             log(
                 f"rank {rank}: stopped by the launcher{after}"
                 if rank in stopped
-                else f"rank {rank}: killed by signal {signal.Signals(-code).name}"
+                else f"rank {rank}: killed by signal {name}"
             )
     for _, rank, _, short in reports[1:]:
         log(f"rank {rank}: stopped after rank {reports[0][1]} failed ({short.strip()})")
@@ -190,19 +196,28 @@ def report_failures(
         log(f"rank {rank} failed first: {full}")
 
 
-def unreported_kills(
-    seen: list[int], codes: list[int | None], reports: list[tuple[float, int, str, str]], healthy_at: float
-) -> list[tuple[float, int, str, str]]:
-    """Reports for the ranks that the first failing poll found killed by a signal, which sent none (``kill -9``,
-    the OOM killer), dated ``healthy_at``: the poll before, when each was still running.
+# Signals a rank dies of on its own, sending no report: a kill -9 or the OOM killer, a crash. Not SIGABRT,
+# which a rank's runtime raises after a peer failed (gloo's "terminate called"), nor the launcher's SIGTERM.
+CRASHES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
+# How much earlier than the last poll that saw it running such a rank may have died: the fork server tells of
+# an exit milliseconds late, and a peer reports losing the connection as fast.
+EXIT_NEWS_LAG_S = 0.5
 
-    Their peers report "Connection closed by peer" at once, and so before the launcher sees the
-    kill: dated when they were seen, a killed rank was named after its peers, and a peer first.
-    A report dated before ``healthy_at`` (a rank failing on its own, then a peer aborting) stays first.
+
+def unreported_kills(
+    ranks: list[int], codes: list[int | None], reports: list[tuple[float, int, str, str]], healthy_at: float
+) -> list[tuple[float, int, str, str]]:
+    """Reports for those of ``ranks`` that died of a signal in :data:`CRASHES`, which sent none, dated when the
+    last poll before still saw them running (less :data:`EXIT_NEWS_LAG_S`).
+
+    Their peers report "Connection closed by peer" at once: before the launcher sees the
+    kill, so a killed rank was named after its peers, and a peer first. A report dated earlier
+    (a rank failing on its own, then another crashing) stays first.
     """
     reported = {rank for _, rank, _, _ in reports}
-    lines = {rank: f"killed by signal {signal.Signals(-codes[rank]).name}" for rank in seen if (codes[rank] or 0) < 0}
-    return [(healthy_at, rank, line, line) for rank, line in lines.items() if rank not in reported]
+    crashed = [r for r in ranks if r not in reported and (codes[r] or 0) < 0 and -codes[r] in CRASHES]
+    lines = {r: f"killed by signal {signal.Signals(-codes[r]).name}" for r in crashed}
+    return [(healthy_at - EXIT_NEWS_LAG_S, r, line, line) for r, line in lines.items()]
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
@@ -260,28 +275,35 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             healthy_at = now
             time.sleep(0.05)
     finally:
-        stopped = {rank for rank, p in enumerate(procs) if p.is_alive()}
+        running = {rank for rank, p in enumerate(procs) if p.is_alive()}
         for s, handler in previous.items():
             signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
+        for rank in running:
+            procs[rank].terminate()
+        killed = set()
+        for rank, p in enumerate(procs):
             p.join(timeout=15)  # a rank blocked in a collective, or one that traps SIGTERM to save
             if p.is_alive():
                 p.kill()
                 p.join()
+                killed.add(rank)
         held.close()
     codes = [p.exitcode for p in procs]
+    sent = {rank: -signal.SIGTERM for rank in running} | {rank: -signal.SIGKILL for rank in killed}
+    stopped = {rank for rank, code in sent.items() if codes[rank] == code}  # died of what the launcher sent
     reports = []
     while True:
         try:
             reports.append(errors.get(timeout=0.2))
         except queue.Empty:
             break
-    reports += unreported_kills(first_failed, codes, reports, healthy_at)
-    report_failures(reports, codes, stopped, log=lambda line: print(line, file=sys.stderr, flush=True))
+    # The first failure's suspects: the ranks that poll found failed, and any that died before the launcher
+    # signalled them (a late notice of the exit); not one that crashed while the launcher stopped it.
+    suspects = sorted(set(first_failed) | ({r for r, c in enumerate(codes) if c} - running)) if first_failed else []
+    reports += unreported_kills(suspects, codes, reports, healthy_at)
+    why = f" at its {timeout_s:g} s time limit" if worst == 124 else ""
+    report_failures(reports, codes, stopped=stopped, why=why, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:
         worst = max((shell_status(c) for c in codes if c), default=0)
     elif worst != 124:

@@ -164,7 +164,7 @@ def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 128 + signal.SIGKILL, err[-2000:]
     assert lines[-1] == "rank 2 failed first: killed by signal SIGKILL", err[-2000:]
-    assert "Traceback" not in err and "rank 2 failed (" in err, err[-2000:]  # a peer's line names it
+    assert "Traceback" not in err and "after rank 2 failed" in err, err[-2000:]  # a peer's line names it
 
 
 def _sleeper() -> int:
@@ -238,8 +238,13 @@ def test_a_killed_rank_precedes_the_peers_that_reported_losing_it_within_the_pol
     assert lines[-1] == "rank 2 failed first: killed by signal SIGKILL", lines
     assert "rank 3: stopped by the launcher after rank 2 failed" in lines and len(lines) == 4, lines
     assert first_failure_status(reports, codes, polled=1) == -signal.SIGKILL
-    own = [(9.9, 1, "error: bad", "error: bad")]
+    own = [(9.0, 1, "error: bad", "error: bad")]  # a failure of its own, a second before: it stays first
     assert min(own + unreported_kills([1, 2], codes, own, healthy_at=10.0))[1] == 1
+    aborted = [1, 1, -signal.SIGABRT, None]  # gloo's abort after a peer failed: not taken for the cause
+    assert unreported_kills([2], aborted, lost, healthy_at=10.0) == []
+    lines = []
+    report_failures([], [-15, -15], stopped={0, 1}, why=" at its 60 s time limit", log=lines.append)
+    assert lines == [f"rank {r}: stopped by the launcher at its 60 s time limit" for r in (0, 1)]
 
 
 def _report_what_the_rank_took(out: str) -> int:
