@@ -8,8 +8,9 @@ import json
 
 import torch
 
+from megaformer.data.batching import stream_count
 from megaformer.parallel import LOCAL, DropoutRNG
-from megaformer.train.feed import DataFeed, stream_count
+from megaformer.train.feed import DataFeed
 
 
 class CountingStream:
@@ -88,7 +89,23 @@ def test_other_stream_count_replans_from_the_old_position():
     new = _feed(3, 0, 1)  # a DP size that does not divide the old streams
     new.load_replicas([state], None)
     assert all(s.position == 6 for s in new.sources.values())
-    assert new.dropout[0]["shared"][1] == 0  # fresh dropout streams
+    # the dropout streams go on past the 6 keys each old one drew (3 steps of 2 micro-batches): stream 0 does
+    # not mask as at step 1
+    assert [new.dropout[v]["shared"][1] for v in range(3)] == [6, 6, 6]
+    first_masks = {batch[0]: mask for batch, mask in _step(_feed(2, 0, 1))}
+    assert [mask for batch, mask in _step(new) if batch[0] == 0][0] != first_masks[0]
+
+
+def test_a_tp_place_the_old_layout_lacked_continues_past_the_local_keys_drawn():
+    """tp 2 -> 1 -> 2 with parallel.dropout_rng=fast: TP rank 1's place is back, its own state gone. Its local
+    stream (its own seed) starts past the 7 keys each TP rank drew, not at 0 (masks of the run's first steps)."""
+    state = _through_json(_feed(2, 0, 1).state_dict())
+    for stream in state["dropout"].values():
+        stream["local"][1] = 7
+    new = _feed(2, 0, 1)
+    new.load_replicas([state], None)  # the same streams; no old rank at this TP place
+    assert [new.dropout[v]["local"][1] for v in (0, 1)] == [7, 7]
+    assert [new.dropout[v]["shared"] for v in (0, 1)] == [state["dropout"][str(v)]["shared"] for v in (0, 1)]
 
 
 def test_stream_count_keeps_the_runs_streams_when_dp_divides_them():

@@ -628,12 +628,19 @@ def test_a_valid_split_it_cannot_stream_is_refused_before_training(tmp_path):
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
 
 
-def test_a_step_plan_no_micro_batch_can_hold_is_refused_before_any_process_starts(shared_data, tmp_path):
+def test_a_step_plan_no_micro_batch_can_hold_is_refused_before_any_process_starts(finished, shared_data, tmp_path):
     """100 tokens a step over 2 DP streams cannot hold a sentence of data.max_len=64 and its eos: every rank
-    refused it after starting, and ``--check`` (slurm/common.sh's, before srun) passed it."""
+    refused it after starting, and ``--check`` (slurm/common.sh's, before srun) passed it. A resume plans
+    with its checkpoint's streams (meta.json): 1 here, whatever the DP size's."""
     sets = ("data.max_len=64", "train.tokens_per_step=100")
     for extra in (("--nproc", "2", "--check"), ("--nproc", "2")):
-        began = time.monotonic()
         line = _one_line_error(_train(tmp_path / "run", shared_data, *sets, extra=extra), "train.tokens_per_step=100")
         assert "over 2 data streams" in line and "raise train.tokens_per_step to at least 130" in line, line
-        assert time.monotonic() - began < 10 and not (tmp_path / "run").exists()  # no rank started
+        assert not (tmp_path / "run").exists()  # refused before any rank started
+    run = _copy_run(finished, tmp_path / "resumed")  # one data stream
+    fits = _train(run, shared_data, *sets, "train.max_steps=11", extra=("--check",))
+    assert fits.returncode == 0 and "train: checked: 1 process" in fits.stdout, fits.stderr
+    line = _one_line_error(
+        _train(run, shared_data, "data.max_len=64", "train.tokens_per_step=50", extra=("--check",)), ""
+    )
+    assert "train.tokens_per_step=50 over 1 data stream (" in line and "at least 65" in line, line

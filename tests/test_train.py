@@ -203,6 +203,17 @@ def test_a_tp_size_that_pads_the_vocabulary_otherwise_resumes_reshards_and_decod
     ok(megaformer("translate", "--ckpt", step10, "--input", source))
 
 
+def test_resume_at_a_dp_size_that_does_not_divide_the_streams_says_the_data_is_replanned(corpus, tp2_run, tmp_path):
+    """tp=2 dp=1 (one data stream) resumed at tp=1 dp=2: the rest of the epoch is planned for 2 streams."""
+    run = tmp_path / "run"
+    _resume_from(tp2_run, 10, run)
+    proc = train(run, 2, common(corpus) + ["train.max_steps=11", "train.save_interval=0"])
+    ok(proc)
+    assert "layout tp=2 dp=1 -> tp=1 dp=2" in proc.stdout and "(2 data streams," in proc.stdout, proc.stdout
+    assert "data re-planned: the checkpoint's data streams (1) do not divide among 2 DP ranks" in proc.stdout
+    assert 0 < losses(run)[11]["loss"] < 2 * losses(tp2_run)[11]["loss"]  # other batches: only sane
+
+
 def test_resume_at_smaller_dp(corpus, dp2_run, tmp_path):
     run = tmp_path / "run"
     _resume_from(dp2_run, 10, run)

@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from launcher.env import detect, slurm_job
-    from megaformer.train.launch import check_launch, check_new_run_steps, launch
+    from megaformer.train.launch import check_launch, check_step_plan, launch
 
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
@@ -106,8 +106,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.tasks_per_node is not None and not args.check:
         raise ConfigError("--tasks-per-node describes the nodes for --check, which it comes with: add --check")
     layout = check_launch(cfg, world, args.tasks_per_node)  # fail before any process starts
-    if _starts_anew(Path(run_dir), resume):
-        check_new_run_steps(cfg, layout)
+    if (streams := _planned_streams(Path(run_dir), resume, layout.dp)) is not None:
+        check_step_plan(cfg, streams)
     if args.check:
         return _checked(cfg, run_dir, layout, resume)
     return launch(cfg, run_dir, world, resume, args.other_tokenizer, under_launcher=info.source != "single")
@@ -127,9 +127,34 @@ def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> 
     return 0
 
 
-def _starts_anew(run_dir: Path, resume: str) -> bool:
-    """Whether the run starts from nothing: no checkpoint given, none of its own to continue."""
-    return resume in ("auto", "none") and not any((run_dir / "checkpoints").glob("step-*"))
+def _planned_streams(run_dir: Path, resume: str, dp: int) -> int | None:
+    """The data streams the ranks will plan the steps for: ``dp`` for a run that starts anew, else as the newest
+    checkpoint it resumes keeps them (its meta.json); None where that cannot be read here (the ranks then say why).
+
+    Read with json and pathlib alone (megaformer.checkpoint imports torch, which the launching process does not:
+    launcher.local).
+    """
+    from megaformer.data.batching import stream_count
+
+    if resume == "none":
+        return dp
+    source = run_dir if resume == "auto" else Path(resume)
+    try:
+        if source.is_file() and source.name in ("latest", "best"):  # a pointer: the step it names, beside it
+            source = source.parent / source.read_text().strip()
+        folder = source / "checkpoints" if (source / "checkpoints").is_dir() else source
+        steps = [source] if (source / "meta.json").is_file() else _step_dirs(folder)
+        if not steps:
+            return dp if resume == "auto" else None
+        saved = json.loads((steps[0] / "meta.json").read_text())["replicas"][0]["feed"]["streams"]
+    except (OSError, ValueError, LookupError, TypeError):
+        return None
+    return stream_count(saved, dp) if isinstance(saved, int) and saved > 0 else None
+
+
+def _step_dirs(folder: Path) -> list[Path]:
+    """The ``step-N`` directories in ``folder``, newest first (N is zero-padded: the names sort as the steps)."""
+    return sorted((p for p in folder.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), reverse=True)
 
 
 def _saved_by(step_dir: Path, job: str | None) -> bool:
@@ -162,25 +187,25 @@ def _resume_in(run_dir: Path, resume: str, say, job: tuple[str | None, int] = (N
             f"--resume {resume}: is a model file or export, which holds no training state: resume from a step "
             f"directory (RUN/checkpoints/step-N) or a run directory; translate, evaluate and export read model files"
         )
-    steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())
+    steps = [p.name for p in _step_dirs(run_dir / "checkpoints")]
     if not steps:
         return resume
-    if resume == "none" and job[1] and _saved_by(run_dir / "checkpoints" / steps[-1], job[0]):
+    if resume == "none" and job[1] and _saved_by(run_dir / "checkpoints" / steps[0], job[0]):
         say(
             f"train: --resume none is not used: this is restart {job[1]} of SLURM job {job[0]}, whose earlier "
-            f"attempts saved {run_dir}'s checkpoints (newest {steps[-1]}), which it continues"
+            f"attempts saved {run_dir}'s checkpoints (newest {steps[0]}), which it continues"
         )
         return "auto"
     if resume == "none":
         raise ConfigError(
-            f"--run-dir {run_dir}: holds an earlier run's checkpoints (newest {steps[-1]}), which --resume none "
+            f"--run-dir {run_dir}: holds an earlier run's checkpoints (newest {steps[0]}), which --resume none "
             f"would mix with this run's: continue it (--resume auto), train into another --run-dir, or delete "
             f"{run_dir / 'checkpoints'} first"
         )
     if given.resolve().is_relative_to(run_dir.resolve()):  # a step back in its own run
         return resume
     say(
-        f"train: --resume {resume} is not used: {run_dir} holds this run's own checkpoints (newest {steps[-1]}), "
+        f"train: --resume {resume} is not used: {run_dir} holds this run's own checkpoints (newest {steps[0]}), "
         f"which it continues (a restarted or requeued job goes on where it stopped); to start from {resume}, "
         f"train into another --run-dir"
     )

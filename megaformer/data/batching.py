@@ -74,7 +74,8 @@ def plan_step(
     if plan.max_tokens_per_micro_batch < min_tokens or not _within(plan, tokens_per_step, tolerance):
         need = streams * min_tokens
         raise ConfigError(
-            f"train.tokens_per_step={tokens_per_step} over {streams} data streams (one per DP rank) leaves "
+            f"train.tokens_per_step={tokens_per_step} over {streams} data stream{'s' * (streams != 1)} (one per "
+            f"DP rank at the run's start) leaves "
             f"{target:.0f} tokens per stream, less than one micro-batch holding the longest sample "
             f"({min_tokens} tokens, data.max_len + 1): raise train.tokens_per_step to at least {need}, "
             f"use fewer DP ranks (a larger parallel.tp), or lower data.max_len"
@@ -84,3 +85,10 @@ def plan_step(
 
 def _within(plan: StepPlan, tokens_per_step: int, tolerance: float) -> bool:
     return abs(plan.tokens_per_step - tokens_per_step) <= tolerance * tokens_per_step
+
+
+def stream_count(saved_streams: int | None, dp: int) -> int:
+    """Streams of a run: kept from its checkpoint when the DP size divides them, else the DP size."""
+    if saved_streams and saved_streams % dp == 0:
+        return saved_streams
+    return dp

@@ -111,7 +111,7 @@ class DataFeed:
         """Restore exactly what :meth:`state_dict` gave (this rank, the same layout)."""
         self.load_replicas([state], state)
 
-    def load_replicas(self, dp_ranks: list[dict], same_rank: dict | None) -> None:
+    def load_replicas(self, dp_ranks: list[dict], same_rank: dict | None) -> int:
         """Restore from the :meth:`state_dict` of every old DP rank, after a change of layout too.
 
         ``same_rank`` is the state of the old rank at this rank's (DP, TP) place, if one
@@ -119,7 +119,9 @@ class DataFeed:
         stream continues exactly, the TP-shared dropout stream too (it does not depend on
         the TP size); the per-rank stream where the place existed. Otherwise every new
         stream re-plans the rest of the epoch from the old position (all old streams had
-        consumed the same number of batches) and starts fresh dropout streams.
+        consumed the same number of batches) and its dropout streams continue past the
+        keys the old ones drew: started afresh, stream v would repeat the masks of the
+        run's first steps. Returns the number of streams the checkpoint held.
         """
         positions: dict[int, dict] = {}
         dropout: dict[int, dict] = {}
@@ -134,11 +136,10 @@ class DataFeed:
                 self.dropout[v]["shared"] = list(dropout[v]["shared"])
                 if v in own:
                     self.dropout[v]["local"] = list(own[v]["local"])
+                else:  # a TP place the old layout lacked: its own seed, past the keys every TP rank drew
+                    self.dropout[v]["local"][1] = dropout[v]["local"][1]
+            else:
+                for name in ("shared", "local"):
+                    self.dropout[v][name][1] = max(d[name][1] for d in dropout.values())
         self.iterators.clear()
-
-
-def stream_count(saved_streams: int | None, dp: int) -> int:
-    """Streams of a run: kept from its checkpoint when the DP size divides them, else the DP size."""
-    if saved_streams and saved_streams % dp == 0:
-        return saved_streams
-    return dp
+        return len(positions)

@@ -92,16 +92,12 @@ def check_launch(cfg: Config, world: int, per_node: list[int] | None = None) -> 
     return layout
 
 
-def check_new_run_steps(cfg: Config, layout: ParallelLayout) -> None:
-    """A new run's step plan, as its ranks will make it: one data stream per DP rank, each step's
-    ``train.tokens_per_step`` in micro-batches of at most ``data.max_tokens`` that hold ``data.max_len`` + 1.
-
-    Only for a run that starts from nothing: a resumed run keeps its checkpoint's streams, which
-    only its ranks read (:func:`megaformer.train.feed.stream_count`).
-    """
+def check_step_plan(cfg: Config, streams: int) -> None:
+    """The step plan the ranks will make: each step's ``train.tokens_per_step`` over ``streams`` data streams,
+    in micro-batches of at most ``data.max_tokens`` that hold ``data.max_len`` + 1 tokens."""
     from megaformer.data.batching import plan_step
 
-    plan_step(cfg.train.tokens_per_step, layout.dp, cfg.data.max_tokens, cfg.data.max_len + 1)
+    plan_step(cfg.train.tokens_per_step, streams, cfg.data.max_tokens, cfg.data.max_len + 1)
 
 
 @contextmanager

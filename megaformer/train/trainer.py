@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megaformer import checkpoint as ckpt
 from megaformer.config import Config, dump_config, to_dict
-from megaformer.data.batching import plan_step
+from megaformer.data.batching import plan_step, stream_count
 from megaformer.data.manifest import manifest_path, read_manifest
 from megaformer.data.stream import TokenBatchStream, open_prepared
 from megaformer.data.tokenizer import PAD_ID
@@ -41,7 +41,7 @@ from megaformer.pipeline.schedule import Pipeline
 from megaformer.train.budget import BudgetPlan, compile_choice, nothing_left_to_train
 from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
 from megaformer.train.engine import Engine, build_engine, cooldown_of
-from megaformer.train.feed import DataFeed, stream_count
+from megaformer.train.feed import DataFeed
 from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, peak_source
 from megaformer.train.profile import StepProfiler
 from megaformer.train.schedule import cooldown_start, cooldown_time_reached
@@ -220,7 +220,15 @@ class Trainer:
             )
             self.engine.set_cooldown(None)
         same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
-        self.feed.load_replicas([r["feed"] for r in loaded.replicas_of_dp_ranks()], same_rank and same_rank["feed"])
+        saved = self.feed.load_replicas(
+            [r["feed"] for r in loaded.replicas_of_dp_ranks()], same_rank and same_rank["feed"]
+        )
+        if saved != self.feed.streams:
+            self.log(
+                f"train: data re-planned: the checkpoint's data streams ({saved}) do not divide among "
+                f"{self.ctx.dp_size} DP ranks; the rest of the epoch is planned for {self.feed.streams} (other "
+                f"batches and masks than the old layout's; a DP size dividing {saved} continues exactly)"
+            )
         if loaded.rank is not None:
             torch.set_rng_state(loaded.rank["torch_rng"])
         change = ckpt.layout_change(loaded.meta["layout"], self.ctx.layout)
