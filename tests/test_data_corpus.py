@@ -42,7 +42,7 @@ def test_find_side_takes_plain_or_gz_and_refuses_both(tmp_path: Path) -> None:
     write(tmp_path / "c.en.gz", b"x\n")
     assert find_side(tmp_path / "c", "en").name == "c.en.gz"
     write(tmp_path / "c.en", b"y\n")
-    with pytest.raises(DataError, match=r"c\.en and .*c\.en\.gz both exist: .*remove or move the other"):
+    with pytest.raises(DataError, match=r"c\.en and .*c\.en\.gz both exist and may differ: remove or move one of them"):
         find_side(tmp_path / "c", "en")
     (tmp_path / "c.en.gz").unlink()
     assert find_side(tmp_path / "c", "en").name == "c.en"

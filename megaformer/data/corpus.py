@@ -64,7 +64,7 @@ def find_side(prefix: str | Path, lang: str) -> Path:
     plain = Path(f"{prefix}.{lang}")
     found = [c for c in (plain, Path(f"{plain}.gz")) if c.is_file()]
     if len(found) == 2:
-        raise DataError(f"{plain} and {plain}.gz both exist: one side is read from one file; remove or move the other")
+        raise DataError(f"{plain} and {plain}.gz both exist and may differ: remove or move one of them")
     if found:
         return found[0]
     given = Path(prefix)
