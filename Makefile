@@ -47,7 +47,8 @@ M30K_ON_GPU := $(filter-out 0,$(M30K_GPUS))
 M30K_PRECISION ?= $(if $(M30K_ON_GPU),bf16,$(shell grep -qsE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo fp32))
 # Dropout for the steps the run will reach: 0.25 overfits less from ~3,600 steps on, 0.15 learns faster
 # below that. Two cores reach ~125 steps a minute in bf16 (AMX; ~90 on a slower Xeon with AMX, whose hour
-# reached 5,422) and ~45 in fp32 (AVX2), so a 60-minute fp32 run (2,533 measured) takes 0.15, as a
+# reached 5,422) and ~45 in fp32 (AVX2; steps of 3,000 tokens: an AVX2-only EPYC, natively, trained 1,915 of
+# the fp32 recipes' 1,000 in 15 minutes), so a 60-minute fp32 run (2,533 measured) takes 0.15, as a
 # 15-minute bf16 one (1,300-2,000 steps) does; a GPU is taken to reach ~2,000 a minute (the CPU hour's
 # ~9,000 steps within minutes; not yet measured), so it keeps 0.25.
 # Under 1,000 steps (a 15-minute fp32 run) 0.1, with the short recipe below.
