@@ -250,7 +250,10 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             forwarded.append(signum)
         for p in procs:
             if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signum)
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:  # it exited (the fork server reaped it) before the launcher heard of it
+                    pass
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     try:
