@@ -32,6 +32,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import socket
 import sys
@@ -199,16 +200,57 @@ def report_failures(
 # Signals a rank dies of on its own, sending no report: a kill -9 or the OOM killer, a crash. Not SIGABRT,
 # which a rank's runtime raises after a peer failed (gloo's "terminate called"), nor the launcher's SIGTERM.
 CRASHES = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE)
-# How much earlier than the last poll that saw it running such a rank may have died: the fork server tells of
-# an exit milliseconds late, and a peer reports losing the connection as fast.
+# How much earlier than the last look that saw it running such a rank may have died: its sockets close (and
+# its peers report) a moment before the kernel marks it exited; where no pidfd is had, the fork server's word
+# of the exit is the look, and that can come late under load.
 EXIT_NEWS_LAG_S = 0.5
+# How often the launcher looks at its ranks.
+POLL_S = 0.05
+
+
+class ExitWatch:
+    """When each rank was last seen running.
+
+    A pidfd (Linux) becomes readable the moment its process exits, so the time is exact to a
+    poll; without one (or a rank gone before it was opened) the fork server's word is used,
+    which under load came more than a second after the killed rank's peers had reported.
+    """
+
+    def __init__(self, procs: list) -> None:
+        self.procs = procs
+        self.fds = [self._pidfd(p.pid) for p in procs]
+        self.seen = [time.time()] * len(procs)
+
+    @staticmethod
+    def _pidfd(pid: int | None) -> int | None:
+        try:
+            return os.pidfd_open(pid) if pid is not None else None
+        except (AttributeError, OSError):  # not Linux, or the rank already exited and was reaped
+            return None
+
+    def running(self, rank: int) -> bool:
+        fd = self.fds[rank]
+        if fd is None:
+            return self.procs[rank].is_alive()
+        return not select.select([fd], [], [], 0)[0]
+
+    def look(self) -> None:
+        now = time.time()
+        for rank in range(len(self.procs)):
+            if self.running(rank):
+                self.seen[rank] = now
+
+    def close(self) -> None:
+        for fd in self.fds:
+            if fd is not None:
+                os.close(fd)
 
 
 def unreported_kills(
-    ranks: list[int], codes: list[int | None], reports: list[tuple[float, int, str, str]], healthy_at: float
+    ranks: list[int], codes: list[int | None], reports: list[tuple[float, int, str, str]], seen: list[float]
 ) -> list[tuple[float, int, str, str]]:
     """Reports for those of ``ranks`` that died of a signal in :data:`CRASHES`, which sent none, dated when the
-    last poll before still saw them running (less :data:`EXIT_NEWS_LAG_S`).
+    launcher last saw them running (``seen``, by rank; less :data:`EXIT_NEWS_LAG_S`).
 
     Their peers report "Connection closed by peer" at once: before the launcher sees the
     kill, so a killed rank was named after its peers, and a peer first. A report dated earlier
@@ -217,7 +259,7 @@ def unreported_kills(
     reported = {rank for _, rank, _, _ in reports}
     crashed = [r for r in ranks if r not in reported and (codes[r] or 0) < 0 and -codes[r] in CRASHES]
     lines = {r: f"killed by signal {signal.Signals(-codes[r]).name}" for r in crashed}
-    return [(healthy_at - EXIT_NEWS_LAG_S, r, line, line) for r, line in lines.items()]
+    return [(seen[r] - EXIT_NEWS_LAG_S, r, line, line) for r, line in lines.items()]
 
 
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
@@ -267,18 +309,23 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
         forward(signum, None, record=False)
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
-    worst, first_failed, healthy_at = 0, [], time.time()
+    worst, first_failed, watch = 0, [], ExitWatch(procs)
     try:
-        while any(p.is_alive() for p in procs):
-            now = time.time()
+        while True:
+            watch.look()
+            done = not any(p.is_alive() for p in procs)  # before `failed`: a rank failing between the two is seen
             failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if (failed and not forwarded) or time.monotonic() > deadline:  # after a forwarded signal: let all finish
+            # After a forwarded signal: let all finish. Under load, every rank may have exited (the killed one,
+            # then its peers) before the launcher looks again: their failures are read the same way.
+            if (failed and not forwarded) or time.monotonic() > deadline:
                 worst, first_failed = (procs[failed[0]].exitcode, failed) if failed else (124, [])
                 break
-            healthy_at = now
-            time.sleep(0.05)
+            if done:
+                break
+            time.sleep(POLL_S)
     finally:
-        running = {rank for rank, p in enumerate(procs) if p.is_alive()}
+        running = {rank for rank in range(len(procs)) if watch.running(rank)}
+        watch.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -304,7 +351,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     # The first failure's suspects: the ranks that poll found failed, and any that died before the launcher
     # signalled them (a late notice of the exit); not one that crashed while the launcher stopped it.
     suspects = sorted(set(first_failed) | ({r for r, c in enumerate(codes) if c} - running)) if first_failed else []
-    reports += unreported_kills(suspects, codes, reports, healthy_at)
+    reports += unreported_kills(suspects, codes, reports, watch.seen)
     why = f" at its {timeout_s:g} s time limit" if worst == 124 else ""
     report_failures(reports, codes, stopped=stopped, why=why, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:

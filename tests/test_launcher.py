@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from launcher import local
 from launcher.env import detect, expand_nodelist, parse_hostlist
-from launcher.local import first_failure_status, report_failures, spawn, unreported_kills
+from launcher.local import ExitWatch, first_failure_status, report_failures, spawn, unreported_kills
 from megaformer.errors import ConfigError
 from megaformer.parallel.groups import check_tp_within_nodes, describe_nodes
 from megaformer.parallel.layout import ParallelLayout
@@ -141,7 +142,7 @@ def _killed_by(signum: int) -> int:
 def test_a_rank_killed_by_a_signal_is_the_shells_status(capfd):
     """A rank killed by SIGKILL (the OOM killer) made `megaformer train --nproc` exit 247 (Python's -9 as a status)."""
     assert spawn(_killed_by, 1, signal.SIGKILL, timeout_s=120) == 128 + signal.SIGKILL
-    assert "rank 0: killed by signal SIGKILL" in capfd.readouterr().err
+    assert capfd.readouterr().err.splitlines()[-1] == "rank 0 failed first: killed by signal SIGKILL"
 
 
 def _killed_in_a_collective(victim: int) -> int:
@@ -156,9 +157,13 @@ def _killed_in_a_collective(victim: int) -> int:
     return 0
 
 
-def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(capfd):
+@pytest.mark.parametrize("poll_s", [local.POLL_S, 3.0], ids=["each-poll", "all-gone-by-the-next-look"])
+def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(capfd, monkeypatch, poll_s):
     """The killed rank says nothing; its peers report "Connection closed by peer" at once, and the earliest
-    report was named as the first failure (and its status returned) though it only followed the kill."""
+    report was named as the first failure (and its status returned) though it only followed the kill.
+    Under load every rank had exited before the launcher looked again (a long poll here): no failure was
+    read at all, and the first report was named."""
+    monkeypatch.setattr(local, "POLL_S", poll_s)
     code = spawn(_killed_in_a_collective, 4, 2, timeout_s=120)
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -232,19 +237,48 @@ def test_a_killed_rank_precedes_the_peers_that_reported_losing_it_within_the_pol
     poll at 10.05 saw all three gone: rank 2 failed first. A report before 10.00 was a failure of its own."""
     lost = [(10.03, 1, "RuntimeError: Connection closed by peer", "RuntimeError: closed"), (10.02, 0, "x", "x")]
     codes = [1, 1, -signal.SIGKILL, None]
-    reports = lost + unreported_kills([0, 1, 2], codes, lost, healthy_at=10.0)
+    reports = lost + unreported_kills([0, 1, 2], codes, lost, seen=[10.0] * 4)
     lines = []
     report_failures(reports, [1, 1, -9, -15], stopped={3}, log=lines.append)
     assert lines[-1] == "rank 2 failed first: killed by signal SIGKILL", lines
     assert "rank 3: stopped by the launcher after rank 2 failed" in lines and len(lines) == 4, lines
     assert first_failure_status(reports, codes, polled=1) == -signal.SIGKILL
     own = [(9.0, 1, "error: bad", "error: bad")]  # a failure of its own, a second before: it stays first
-    assert min(own + unreported_kills([1, 2], codes, own, healthy_at=10.0))[1] == 1
+    assert min(own + unreported_kills([1, 2], codes, own, seen=[10.0] * 4))[1] == 1
     aborted = [1, 1, -signal.SIGABRT, None]  # gloo's abort after a peer failed: not taken for the cause
-    assert unreported_kills([2], aborted, lost, healthy_at=10.0) == []
+    assert unreported_kills([2], aborted, lost, seen=[10.0] * 4) == []
     lines = []
     report_failures([], [-15, -15], stopped={0, 1}, why=" at its 60 s time limit", log=lines.append)
     assert lines == [f"rank {r}: stopped by the launcher at its 60 s time limit" for r in (0, 1)]
+
+
+class _LateWord:
+    """A rank as the launcher's ``Process`` shows it while the fork server has not yet told of its exit."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        return True
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd on this OS: the fork server's word is used")
+def test_the_exit_watch_sees_a_killed_rank_gone_before_the_fork_server_tells():
+    """Under load the fork server's word of a kill came after the peers' reports (dated later than they)."""
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = ExitWatch([_LateWord(victim.pid)])
+    try:
+        watch.look()
+        assert watch.running(0)
+        before = watch.seen[0]
+        victim.kill()
+        victim.wait()
+        watch.look()
+        assert not watch.running(0) and watch.seen[0] == before
+    finally:
+        watch.close()
+        victim.kill()
+        victim.wait()
 
 
 def _report_what_the_rank_took(out: str) -> int:
