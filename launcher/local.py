@@ -216,23 +216,28 @@ class ExitWatch:
     which under load came more than a second after the killed rank's peers had reported.
     """
 
-    def __init__(self, procs: list) -> None:
-        self.procs = procs
-        self.fds = [self._pidfd(p.pid) for p in procs]
-        self.seen = [time.time()] * len(procs)
+    def __init__(self) -> None:
+        self.procs: list = []
+        self.fds: list[int | None] = []
+        self.seen: list[float] = []
 
-    @staticmethod
-    def _pidfd(pid: int | None) -> int | None:
+    def add(self, proc) -> None:
+        """Watch ``proc``, just started (the sooner, the smaller the chance that it exited and its pid was reused)."""
         try:
-            return os.pidfd_open(pid) if pid is not None else None
+            fd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):  # not Linux, or the rank already exited and was reaped
-            return None
+            fd = None
+        self.procs.append(proc)
+        self.fds.append(fd)
+        self.seen.append(time.time())
 
     def running(self, rank: int) -> bool:
         fd = self.fds[rank]
         if fd is None:
             return self.procs[rank].is_alive()
-        return not select.select([fd], [], [], 0)[0]
+        poller = select.poll()  # not select.select: it refuses a descriptor numbered 1024 or more
+        poller.register(fd, select.POLLIN)
+        return not poller.poll(0)
 
     def look(self) -> None:
         now = time.time()
@@ -241,9 +246,11 @@ class ExitWatch:
                 self.seen[rank] = now
 
     def close(self) -> None:
+        """Close the pidfds; later questions are answered by the fork server's word."""
         for fd in self.fds:
             if fd is not None:
                 os.close(fd)
+        self.fds = [None] * len(self.fds)
 
 
 def unreported_kills(
@@ -298,10 +305,13 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
                     pass
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    watch = ExitWatch()
     try:
         for p in procs:
             p.start()
+            watch.add(p)
     except BaseException:
+        watch.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         raise
@@ -309,7 +319,7 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
         forward(signum, None, record=False)
     mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
-    worst, first_failed, watch = 0, [], ExitWatch(procs)
+    worst, first_failed = 0, []
     try:
         while True:
             watch.look()
@@ -317,15 +327,20 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
             # After a forwarded signal: let all finish. Under load, every rank may have exited (the killed one,
             # then its peers) before the launcher looks again: their failures are read the same way.
-            if (failed and not forwarded) or time.monotonic() > deadline:
-                worst, first_failed = (procs[failed[0]].exitcode, failed) if failed else (124, [])
+            if failed and not forwarded:
+                worst, first_failed = procs[failed[0]].exitcode, failed
                 break
             if done:
                 break
+            if time.monotonic() > deadline:
+                worst, first_failed = (procs[failed[0]].exitcode, failed) if failed else (124, [])
+                break
             time.sleep(POLL_S)
     finally:
-        running = {rank for rank in range(len(procs)) if watch.running(rank)}
-        watch.close()
+        try:
+            running = {rank for rank in range(len(procs)) if watch.running(rank)}
+        finally:
+            watch.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)

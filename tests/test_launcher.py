@@ -262,17 +262,26 @@ class _LateWord:
         return True
 
 
-@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd on this OS: the fork server's word is used")
+def _pidfds_work() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):  # not Linux, a kernel before 5.3, or a sandbox that forbids it
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _pidfds_work(), reason="no pidfd here: the fork server's word is used")
 def test_the_exit_watch_sees_a_killed_rank_gone_before_the_fork_server_tells():
     """Under load the fork server's word of a kill came after the peers' reports (dated later than they)."""
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    watch = ExitWatch([_LateWord(victim.pid)])
+    watch = ExitWatch()
+    watch.add(_LateWord(victim.pid))
     try:
         watch.look()
         assert watch.running(0)
         before = watch.seen[0]
         victim.kill()
-        victim.wait()
+        os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped: as a rank then is
         watch.look()
         assert not watch.running(0) and watch.seen[0] == before
     finally:
@@ -342,8 +351,8 @@ print(json.dumps(calls))
 
 def test_a_launch_of_local_ranks_imports_no_torch_in_the_launching_process(corpus, tmp_path):
     """`megaformer train --nproc 2` checks the config, layout and data, then only waits on its ranks:
-    torch (~1.5 CPU seconds to import) is theirs, loaded once by the fork server they start from.
-    A bad data path is still refused there, before any rank starts."""
+    torch (~1.5 CPU seconds to import) is theirs, loaded once by the fork server they start from; a resume
+    too. A bad data path is still refused there, before any rank starts."""
     probe = """
 import sys
 from megaformer import cli
@@ -353,10 +362,16 @@ print("torch imported:", "torch" in sys.modules, "exit:", code)
     args = ["train", "--config", ROOT / "configs" / "tiny.yaml", "--run-dir", tmp_path / "run", "--nproc", "2"]
     sets = ["data.num_workers=0", "train.max_steps=1", "train.tokens_per_step=512", "data.max_tokens=256"]
     args += [a for s in sets for a in ("--set", s)]
-    for data, outcome in ((corpus, "exit: 0"), (tmp_path / "missing", "exit: 2")):
-        cmd = [sys.executable, "-c", probe, *map(str, args), "--set", f"data.path={data}"]
+    resumed = ["--resume", "auto", "--set", "train.max_steps=2"]  # the plan check reads the checkpoint's meta.json
+    for data, more, outcome in (
+        (corpus, [], "exit: 0"),
+        (corpus, resumed, "exit: 0"),
+        (tmp_path / "missing", [], "exit: 2"),
+    ):
+        cmd = [sys.executable, "-c", probe, *map(str, args), "--set", f"data.path={data}", *more]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert proc.stdout.splitlines()[-1] == f"torch imported: False {outcome}", proc.stdout[-2000:] + proc.stderr
+        assert (tmp_path / "run" / "checkpoints" / "step-00000001" / "meta.json").is_file()  # what the resume reads
     assert "no such manifest" in proc.stderr and "missing" in proc.stderr
 
 
