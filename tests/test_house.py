@@ -139,3 +139,20 @@ def test_the_readme_is_a_manual_of_at_most_250_lines():
     assert readme.count("\n") <= MAX_README_LINES
     assert "make test" in readme  # the test command CI runs
     assert (ROOT / "docs" / "results.md").is_file()  # where the run logs went
+
+
+def test_names_imported_on_first_use_resolve_and_come_from_their_layer_or_below():
+    """``megaformer.parallel`` and ``megaformer.checkpoint`` import their names on first use (from strings the
+    import check above cannot see): each must resolve, from a module no higher than its package."""
+    import importlib.util
+
+    wrong = []
+    for package in ("megaformer.parallel", "megaformer.checkpoint"):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            home = importlib.util.resolve_name(module._MODULE_OF[name], package)
+            if _layer(_unit(home)) > _layer(_unit(package)):
+                wrong.append(f"{package}.{name} comes from {home}, a higher layer")
+            if getattr(module, name, None) is None:
+                wrong.append(f"{package}.{name} does not resolve")
+    assert not wrong, "\n".join(wrong)

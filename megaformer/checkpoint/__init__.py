@@ -34,99 +34,72 @@ reading for inference, resharding), :mod:`~megaformer.checkpoint.average`, and
 :mod:`~megaformer.checkpoint.files` (checksummed, tensor-only reads).
 """
 
-from megaformer.checkpoint.average import average_checkpoints, last_checkpoints
-from megaformer.checkpoint.consolidated import (
-    CONSOLIDATED_FORMAT,
-    Consolidated,
-    consolidate,
-    load_consolidated,
-    load_for_inference,
-    reshard,
-    save_consolidated,
-)
-from megaformer.checkpoint.files import safe_torch_load
-from megaformer.checkpoint.format import (
-    CHECKPOINT_FORMAT,
-    META_KEYS,
-    META_TYPES,
-    POINTERS,
-    STEP_DIR,
-    TENSOR_KEYS,
-    Log,
-    check_complete,
-    check_step_name,
-    checkpoint_root,
-    find_latest,
-    list_checkpoints,
-    model_file_name,
-    model_files,
-    prune,
-    rank_file_name,
-    read_pointer,
-    resolve_checkpoint,
-    step_dir_name,
-    write_best,
-)
-from megaformer.checkpoint.load import (
-    LoadedCheckpoint,
-    changed_since,
-    check_same_model,
-    check_same_tokenizer,
-    layout_change,
-    load_checkpoint,
-    merged_state,
-    read_shard,
-    shape_info,
-    shard_info_of,
-)
-from megaformer.checkpoint.save import CheckpointState, file_entries, save_checkpoint
-from megaformer.files import atomic_torch_save, atomic_write_text, sha256_of
+import importlib
 
-__all__ = [
-    "changed_since",
-    "check_same_model",
-    "check_same_tokenizer",
-    "layout_change",
-    "CHECKPOINT_FORMAT",
-    "STEP_DIR",
-    "META_KEYS",
-    "TENSOR_KEYS",
-    "POINTERS",
-    "Log",
-    "step_dir_name",
-    "check_step_name",
-    "model_file_name",
-    "model_files",
-    "rank_file_name",
-    "check_complete",
-    "META_TYPES",
-    "list_checkpoints",
-    "checkpoint_root",
-    "find_latest",
-    "read_pointer",
-    "write_best",
-    "resolve_checkpoint",
-    "prune",
-    "safe_torch_load",
-    "CheckpointState",
-    "file_entries",
-    "save_checkpoint",
-    "read_shard",
-    "shard_info_of",
-    "merged_state",
-    "shape_info",
-    "LoadedCheckpoint",
-    "load_checkpoint",
-    "CONSOLIDATED_FORMAT",
-    "Consolidated",
-    "save_consolidated",
-    "load_consolidated",
-    "load_for_inference",
-    "consolidate",
-    "reshard",
-    "average_checkpoints",
-    "last_checkpoints",
-    "atomic_torch_save",
-    "atomic_write_text",
-    "sha256_of",
-]
+# Imported on first use (PEP 562), as megaformer.parallel's names: ``megaformer train``'s launching process
+# reads checkpoint names and meta.json (:mod:`megaformer.checkpoint.format`: json and pathlib) and never
+# imports torch itself.
+_EXPORTS = {
+    ".average": ("average_checkpoints", "last_checkpoints"),
+    ".consolidated": (
+        "CONSOLIDATED_FORMAT",
+        "Consolidated",
+        "consolidate",
+        "load_consolidated",
+        "load_for_inference",
+        "reshard",
+        "save_consolidated",
+    ),
+    ".files": ("safe_torch_load",),
+    ".format": (
+        "CHECKPOINT_FORMAT",
+        "META_KEYS",
+        "META_TYPES",
+        "POINTERS",
+        "STEP_DIR",
+        "TENSOR_KEYS",
+        "Log",
+        "check_complete",
+        "check_step_name",
+        "checkpoint_root",
+        "find_latest",
+        "list_checkpoints",
+        "model_file_name",
+        "model_files",
+        "prune",
+        "rank_file_name",
+        "read_pointer",
+        "resolve_checkpoint",
+        "step_dir_name",
+        "write_best",
+    ),
+    ".load": (
+        "LoadedCheckpoint",
+        "changed_since",
+        "check_same_model",
+        "check_same_tokenizer",
+        "layout_change",
+        "load_checkpoint",
+        "merged_state",
+        "read_shard",
+        "shape_info",
+        "shard_info_of",
+    ),
+    ".save": ("CheckpointState", "file_entries", "save_checkpoint"),
+    "megaformer.files": ("atomic_torch_save", "atomic_write_text", "sha256_of"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # found once; later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

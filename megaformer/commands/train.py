@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megaformer.checkpoint.format import POINTERS, checkpoint_root, list_checkpoints, read_pointer
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
@@ -130,9 +131,6 @@ def _checked(cfg: Config, run_dir: str, layout: ParallelLayout, resume: str) -> 
 def _planned_streams(run_dir: Path, resume: str, dp: int) -> int | None:
     """The data streams the ranks will plan the steps for: ``dp`` for a run that starts anew, else as the newest
     checkpoint it resumes keeps them (its meta.json); None where that cannot be read here (the ranks then say why).
-
-    Read with json and pathlib alone (megaformer.checkpoint imports torch, which the launching process does not:
-    launcher.local).
     """
     from megaformer.data.batching import stream_count
 
@@ -140,21 +138,17 @@ def _planned_streams(run_dir: Path, resume: str, dp: int) -> int | None:
         return dp
     source = run_dir if resume == "auto" else Path(resume)
     try:
-        if source.is_file() and source.name in ("latest", "best"):  # a pointer: the step it names, beside it
-            source = source.parent / source.read_text().strip()
-        folder = source / "checkpoints" if (source / "checkpoints").is_dir() else source
-        steps = [source] if (source / "meta.json").is_file() else _step_dirs(folder)
+        if source.is_file() and source.name in POINTERS:  # a pointer: the step it names, beside it
+            if (name := read_pointer(source)) is None:
+                return None
+            source = source.parent / name
+        steps = [source] if (source / "meta.json").is_file() else list_checkpoints(checkpoint_root(source))
         if not steps:
             return dp if resume == "auto" else None
         saved = json.loads((steps[0] / "meta.json").read_text())["replicas"][0]["feed"]["streams"]
     except (OSError, ValueError, LookupError, TypeError):
         return None
     return stream_count(saved, dp) if isinstance(saved, int) and saved > 0 else None
-
-
-def _step_dirs(folder: Path) -> list[Path]:
-    """The ``step-N`` directories in ``folder``, newest first (N is zero-padded: the names sort as the steps)."""
-    return sorted((p for p in folder.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), reverse=True)
 
 
 def _saved_by(step_dir: Path, job: str | None) -> bool:
@@ -177,17 +171,17 @@ def _resume_in(run_dir: Path, resume: str, say, job: tuple[str | None, int] = (N
     continues it: the run is its own, which its requeue must not end. A model file or an export
     as ``--resume`` is refused: it holds no training state.
 
-    Read with pathlib alone: the launching process imports no torch (launcher.local).
+    The launching process imports no torch (launcher.local): megaformer.checkpoint.format is json and pathlib.
     """
     if resume == "auto":
         return resume
     given = Path(resume)
-    if (given.is_file() and given.name not in ("latest", "best")) or (given / "megaformer-export.json").is_file():
+    if (given.is_file() and given.name not in POINTERS) or (given / "megaformer-export.json").is_file():
         raise ConfigError(
             f"--resume {resume}: is a model file or export, which holds no training state: resume from a step "
             f"directory (RUN/checkpoints/step-N) or a run directory; translate, evaluate and export read model files"
         )
-    steps = [p.name for p in _step_dirs(run_dir / "checkpoints")]
+    steps = [p.name for p in list_checkpoints(run_dir / "checkpoints")]
     if not steps:
         return resume
     if resume == "none" and job[1] and _saved_by(run_dir / "checkpoints" / steps[0], job[0]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "comm": (
+    ".comm": (
         "copy_to_tp",
         "gather_from_sequence",
         "gather_from_tp",
@@ -19,12 +19,12 @@ _EXPORTS = {
         "scatter_to_sequence",
         "scatter_to_tp",
     ),
-    "groups": ("LOCAL", "ParallelContext", "TPGroup"),
-    "layers": ("ColumnParallelLinear", "LayerNorm", "RowParallelLinear", "VocabParallelEmbedding"),
-    "layout": ("ParallelLayout", "check_model_split", "check_tp_within_nodes", "padded_vocab_size"),
-    "loss": ("vocab_parallel_cross_entropy",),
-    "rng": ("Dropout", "DropoutRNG"),
-    "sharding": (
+    ".groups": ("LOCAL", "ParallelContext", "TPGroup"),
+    ".layers": ("ColumnParallelLinear", "LayerNorm", "RowParallelLinear", "VocabParallelEmbedding"),
+    ".layout": ("ParallelLayout", "check_model_split", "check_tp_within_nodes", "padded_vocab_size"),
+    ".loss": ("vocab_parallel_cross_entropy",),
+    ".rng": ("Dropout", "DropoutRNG"),
+    ".sharding": (
         "gather_full",
         "gather_full_state",
         "init_parameters",
@@ -43,7 +43,7 @@ def __getattr__(name: str) -> object:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # found once; later lookups do not come here
     return value
 
