@@ -172,6 +172,17 @@ def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(
     assert "Traceback" not in err and "after rank 2 failed" in err, err[-2000:]  # a peer's line names it
 
 
+def _done() -> int:
+    return 0
+
+
+def test_ranks_done_by_the_look_their_time_limit_passed_in_are_a_success(monkeypatch):
+    """The limit was read before "all done": a run whose ranks finished in the poll the limit passed in (a
+    launcher kept off the CPU for a poll) returned 124, the time limit's status, for a complete run."""
+    monkeypatch.setattr(local, "POLL_S", 8.0)  # the rank finishes, and the 1 s limit passes, within one poll
+    assert spawn(_done, 1, timeout_s=1) == 0
+
+
 def _sleeper() -> int:
     time.sleep(60)
     return 0
