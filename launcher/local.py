@@ -211,9 +211,11 @@ POLL_S = 0.05
 class ExitWatch:
     """When each rank was last seen running.
 
-    A pidfd (Linux) becomes readable the moment its process exits, so the time is exact to a
-    poll; without one (or a rank gone before it was opened) the fork server's word is used,
-    which under load came more than a second after the killed rank's peers had reported.
+    A pidfd (Linux 5.3 on) becomes readable the moment its process exits, so the time is exact
+    to a poll. Without one (an older kernel, a sandbox that forbids it, a rank gone before it was
+    opened) the process's state in /proc is read (``Z``: exited, not yet reaped; no entry: reaped);
+    without /proc the fork server's word is used, which under load came more than a second
+    after the killed rank's peers had reported.
     """
 
     def __init__(self) -> None:
@@ -233,11 +235,18 @@ class ExitWatch:
 
     def running(self, rank: int) -> bool:
         fd = self.fds[rank]
-        if fd is None:
+        if fd is not None:
+            poller = select.poll()  # not select.select: it refuses a descriptor numbered 1024 or more
+            poller.register(fd, select.POLLIN)
+            return not poller.poll(0)
+        if not os.path.isdir("/proc/self"):
             return self.procs[rank].is_alive()
-        poller = select.poll()  # not select.select: it refuses a descriptor numbered 1024 or more
-        poller.register(fd, select.POLLIN)
-        return not poller.poll(0)
+        try:
+            with open(f"/proc/{self.procs[rank].pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]  # after the command's name, which may hold ")"
+        except (OSError, IndexError):  # reaped
+            return False
+        return state not in ("Z", "X")
 
     def look(self) -> None:
         now = time.time()
