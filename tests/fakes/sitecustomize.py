@@ -11,7 +11,10 @@ MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
 - ``fast_clock``: the trainer's ``time.monotonic`` on rank R runs N times as fast (ranks'
   clocks that disagree about when ``train.save_minutes`` has passed);
 - ``slow``: every optimizer step ends N milliseconds later, on every rank (a SLURM job that
-  must still be training when a signal comes, without computing all that while).
+  must still be training when a signal comes, without computing all that while);
+- ``step_clock``: every optimizer step lasts exactly N milliseconds by the trainer's step clock
+  (``time.perf_counter``), on every rank: a time budget's fits and cool-down come out the same
+  whatever the machine's speed or load.
 
 Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
 """
@@ -49,11 +52,29 @@ class _FastClock:
         return self._real.monotonic() * self._factor
 
 
+class _StepClock:
+    """The ``time`` module with a ``perf_counter`` that moves ``seconds`` at each call: the trainer reads it at
+    a step's start and end, so each step lasts exactly that long."""
+
+    def __init__(self, real, seconds):
+        self._real, self._seconds, self._calls = real, seconds, 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def perf_counter(self):
+        self._calls += 1
+        return self._calls * self._seconds
+
+
 def _patch_trainer(module):
     what, rank, step = _parse(SPEC)
     if what == "fast_clock":
         if _mine(rank):
             module.time = _FastClock(module.time, step)
+        return
+    if what == "step_clock":
+        module.time = _StepClock(module.time, step / 1000)
         return
     original = module.Trainer.step
     if what == "slow":
