@@ -218,7 +218,12 @@ def test_a_split_smaller_than_a_window_is_read_at_most_two_epochs_and_a_shuffle_
     stream = TokenBatchStream(prepared, "train", dp_rank=0, dp_size=1, num_workers=1, max_tokens=256, seed=7)
     batches = iter(stream)
     next(batches)
-    time.sleep(3)  # the read-ahead thread pulls all it may while the consumer waits
+    # The read-ahead thread pulls all it may while the consumer waits: past the epoch (however long a loaded
+    # machine takes to decode it), then 2 s more, in which the unbounded read-ahead went on by thousands.
+    deadline = time.monotonic() + 120
+    while most[0] <= N_TRAIN and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2)
     next(batches)
     batches.close()
     assert N_TRAIN < most[0] <= 3 * N_TRAIN + 512, most  # a chunk (512 samples) past the limit at most

@@ -141,14 +141,20 @@ class Cluster:
             assert time.monotonic() < deadline, f"job {job} not requeued and restarted after {timeout} s: {info}"
             time.sleep(1)
 
-    def wait_state(self, job: str, states: set[str], timeout: float) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
+    def wait_state(self, job: str, states: set[str], timeout: float, run: Path | None = None) -> dict[str, str]:
+        """``job``'s state once it is one of ``states``. With ``run`` (the job's run directory), each new step it
+        logs keeps the wait going for half of ``timeout`` more, up to three times it in all: a loaded machine
+        trains slower, and only a job that stops making progress fails the test."""
+        began = time.monotonic()
+        deadline, steps = began + timeout, 0
         while time.monotonic() < deadline:
             info = self.job(job)
             if info.get("JobState") in states:
                 return info
+            if run is not None and (step := max(losses(run), default=0)) > steps:
+                steps, deadline = step, max(deadline, min(began + 3 * timeout, time.monotonic() + timeout / 2))
             time.sleep(1)
-        raise AssertionError(f"job {job} not in {states} after {timeout} s: {self.job(job)}")
+        raise AssertionError(f"job {job} not in {states} after {time.monotonic() - began:.0f} s: {self.job(job)}")
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -175,7 +181,7 @@ def saved_steps(run: Path) -> list[int]:
 def reference(cluster):
     """2a, the uninterrupted job: TP=2 in each node, DP=2 across them; its loss curve is the reference."""
     job, run, out = cluster.submit("reference")
-    info = cluster.wait_state(job, ENDED, timeout=240)
+    info = cluster.wait_state(job, ENDED, timeout=240, run=run)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
     return run, log
@@ -197,7 +203,7 @@ def test_preempted_job_requeues_once_and_matches_uninterrupted(cluster, referenc
     # The second attempt would be warned again 10 s in; a longer limit lets it finish (the job
     # requeued itself once).
     cluster.restart_now(job, 240, "TimeLimit=10")
-    info = cluster.wait_state(job, ENDED, timeout=300)
+    info = cluster.wait_state(job, ENDED, timeout=300, run=run)
     log = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
     assert log.count("(requeued)") == 1 and "(restart 1)" in log, log[-3000:]
@@ -269,7 +275,7 @@ def test_signal_to_every_process_requeues_once(cluster):
     wait_step(run, 3)
     cluster.slurm("scancel", "--signal=USR1", job)
     cluster.restart_now(job)
-    info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
+    info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240, run=run)
     log = out.read_text()
     assert "is killed by signal" not in log, log[-3000:]
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
