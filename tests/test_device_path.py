@@ -135,16 +135,15 @@ def test_the_cpu_matmul_peak_looks_past_a_burst_of_other_work(monkeypatch):
 
     The median of five such matmuls measured the burst: one rank in three starts logged a third of its MFU.
     """
-    import time
-
     from megaformer.train import metrics
 
-    begun = time.perf_counter()
+    now = [0.0]  # the measurement's clock, moved by the matmuls alone: slept, a loaded machine's 1 ms took 3
 
     class Operand:
         def __matmul__(self, other):
-            time.sleep(0.01 if time.perf_counter() - begun < 0.1 else 0.001)
+            now[0] += 0.01 if now[0] < 0.1 else 0.001
 
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(metrics.torch, "randn", lambda n, m, dtype: Operand())
     assert metrics.measured_matmul_peak(torch.float32, n=128) > 2 * 128**3 / 0.003  # ~1 ms a matmul, not 10
 

@@ -30,6 +30,9 @@ from megaformer.errors import ConfigError
 
 LOCK_NAME = ".lock"
 REQUEUE_WAIT_S = 60.0  # how long a requeued job waits for its earlier incarnation's lock
+# How long a lock held with an empty record is taken for one changing hands (its holder between locking and
+# writing the record, or between clearing it and unlocking: microseconds, unless the machine is loaded).
+CHANGING_HANDS_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class RunLock:
             holder = read_holder(self.path)
             if holder is not None:
                 empty_since = None
-            elif empty_since is None or time.monotonic() < empty_since + 1.0:
+            elif empty_since is None or time.monotonic() < empty_since + CHANGING_HANDS_S:
                 empty_since = empty_since or time.monotonic()
                 time.sleep(0.02)
                 continue
