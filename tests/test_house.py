@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megaformer"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megaformer", "megaformer.errors", "megaformer.files"),
+    ("megaformer", "megaformer.errors", "megaformer.files", "megaformer.lazy"),
     ("megaformer.config",),
     ("megaformer.parallel",),
     ("megaformer.data", "megaformer.model", "megaformer.layout_cost"),

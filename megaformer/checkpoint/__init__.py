@@ -34,7 +34,7 @@ reading for inference, resharding), :mod:`~megaformer.checkpoint.average`, and
 :mod:`~megaformer.checkpoint.files` (checksummed, tensor-only reads).
 """
 
-import importlib
+from megaformer.lazy import lazy_names
 
 # Imported on first use (PEP 562), as megaformer.parallel's names: ``megaformer train``'s launching process
 # reads checkpoint names and meta.json (:mod:`megaformer.checkpoint.format`: json and pathlib) and never
@@ -88,18 +88,5 @@ _EXPORTS = {
     ".save": ("CheckpointState", "file_entries", "save_checkpoint"),
     "megaformer.files": ("atomic_torch_save", "atomic_write_text", "sha256_of"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # found once; later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))

@@ -7,7 +7,7 @@ starts the ranks and never imports torch itself (~1.5 CPU seconds a launch).
 
 from __future__ import annotations
 
-import importlib
+from megaformer.lazy import lazy_names
 
 _EXPORTS = {
     ".comm": (
@@ -35,18 +35,5 @@ _EXPORTS = {
         "tp_partitions",
     ),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # found once; later lookups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
