@@ -40,6 +40,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing import util as mp_util
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import DupFd
 from typing import Any
 
@@ -213,17 +214,18 @@ class ExitWatch:
 
     A pidfd (Linux 5.3 on) becomes readable the moment its process exits, so the time is exact
     to a poll. Without one (an older kernel, a sandbox that forbids it, a rank gone before it was
-    opened) the process's state in /proc is read (``Z``: exited, not yet reaped; no entry: reaped);
-    without /proc the fork server's word is used, which under load came more than a second
-    after the killed rank's peers had reported.
+    opened) the process's state in /proc is read (``Z``: exited, not yet reaped; no entry, or
+    another start time: reaped); without /proc the fork server's word is used, which under load
+    came more than a second after the killed rank's peers had reported.
     """
 
     def __init__(self) -> None:
-        self.procs: list = []
+        self.procs: list[BaseProcess] = []
         self.fds: list[int | None] = []
+        self.started: list[str | None] = []  # /proc's start time of each rank without a pidfd
         self.seen: list[float] = []
 
-    def add(self, proc) -> None:
+    def add(self, proc: BaseProcess) -> None:
         """Watch ``proc``, just started (the sooner, the smaller the chance that it exited and its pid was reused)."""
         try:
             fd = os.pidfd_open(proc.pid)
@@ -231,6 +233,7 @@ class ExitWatch:
             fd = None
         self.procs.append(proc)
         self.fds.append(fd)
+        self.started.append(None if fd is not None else (_proc_stat(proc.pid) or (None, None))[1])
         self.seen.append(time.time())
 
     def running(self, rank: int) -> bool:
@@ -239,14 +242,10 @@ class ExitWatch:
             poller = select.poll()  # not select.select: it refuses a descriptor numbered 1024 or more
             poller.register(fd, select.POLLIN)
             return not poller.poll(0)
-        if not os.path.isdir("/proc/self"):
+        if self.started[rank] is None:  # no /proc (or the rank was gone before it was looked at)
             return self.procs[rank].is_alive()
-        try:
-            with open(f"/proc/{self.procs[rank].pid}/stat") as stat:
-                state = stat.read().rsplit(")", 1)[1].split()[0]  # after the command's name, which may hold ")"
-        except (OSError, IndexError):  # reaped
-            return False
-        return state not in ("Z", "X")
+        stat = _proc_stat(self.procs[rank].pid)
+        return stat is not None and stat[1] == self.started[rank] and stat[0] not in ("Z", "X")
 
     def look(self) -> None:
         now = time.time()
@@ -255,11 +254,21 @@ class ExitWatch:
                 self.seen[rank] = now
 
     def close(self) -> None:
-        """Close the pidfds; later questions are answered by the fork server's word."""
-        for fd in self.fds:
+        """Close the pidfds; later questions about those ranks are answered by the fork server's word."""
+        for rank, fd in enumerate(self.fds):
             if fd is not None:
                 os.close(fd)
-        self.fds = [None] * len(self.fds)
+                self.fds[rank] = None
+
+
+def _proc_stat(pid: int | None) -> tuple[str, str] | None:
+    """A process's state and start time from /proc; None where there is no such entry (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold ")"
+    except (OSError, IndexError):
+        return None
+    return fields[0], fields[19]  # fields 3 and 22 of proc(5)
 
 
 def unreported_kills(
@@ -347,7 +356,8 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             time.sleep(POLL_S)
     finally:
         try:
-            running = {rank for rank in range(len(procs)) if watch.running(rank)}
+            # Both must say so: a rank reaped whose pid another process took may look alive to /proc.
+            running = {rank for rank, p in enumerate(procs) if p.is_alive() and watch.running(rank)}
         finally:
             watch.close()
         for s, handler in previous.items():

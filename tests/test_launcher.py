@@ -145,26 +145,35 @@ def test_a_rank_killed_by_a_signal_is_the_shells_status(capfd):
     assert capfd.readouterr().err.splitlines()[-1] == "rank 0 failed first: killed by signal SIGKILL"
 
 
-def _killed_in_a_collective(victim: int) -> int:
+def _wait_for(go: str | None) -> None:
+    """Wait until the file ``go`` exists (the test's launcher has looked at the ranks once)."""
+    deadline = time.monotonic() + 120
+    while go is not None and not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _killed_in_a_collective(victim: int, go: str | None = None) -> int:
     """Rank ``victim`` is SIGKILLed (the OOM killer, ``kill -9``) while its peers wait for it in a collective."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method="env://")
     dist.barrier()
+    _wait_for(go)
     if dist.get_rank() == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     return 0
 
 
-@pytest.mark.parametrize("poll_s", [local.POLL_S, 3.0], ids=["each-poll", "all-gone-by-the-next-look"])
-def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(capfd, monkeypatch, poll_s):
+@pytest.mark.parametrize("late", [False, True], ids=["each-poll", "all-gone-by-the-next-look"])
+def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(capfd, monkeypatch, tmp_path, late):
     """The killed rank says nothing; its peers report "Connection closed by peer" at once, and the earliest
     report was named as the first failure (and its status returned) though it only followed the kill.
-    Under load every rank had exited before the launcher looked again (a long poll here): no failure was
-    read at all, and the first report was named."""
-    monkeypatch.setattr(local, "POLL_S", poll_s)
-    code = spawn(_killed_in_a_collective, 4, 2, timeout_s=120)
+    Under load every rank had exited before the launcher looked again: no failure was read at all, and the
+    first report was named."""
+    clock = _late_looks(monkeypatch, limit_s=0, go=tmp_path / "go") if late else None
+    code = spawn(_killed_in_a_collective, 4, 2, str(tmp_path / "go") if late else None, timeout_s=120)
+    assert clock is None or clock.sleeps == 1  # the first look saw them running, the second all gone
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 128 + signal.SIGKILL, err[-2000:]
@@ -172,36 +181,47 @@ def test_a_rank_killed_in_a_collective_is_named_first_not_the_peer_that_lost_it(
     assert "Traceback" not in err and "after rank 2 failed" in err, err[-2000:]  # a peer's line names it
 
 
-def _done() -> int:
+def _done(go: str) -> int:
+    _wait_for(go)
     return 0
 
 
 class _LateLook:
     """The launcher's clock, but a poll's sleep lasts until its ranks have exited (the fork server has said so)
-    and their time limit has passed: a launcher kept off the CPU for that long."""
+    and ``limit_s`` has passed: a launcher kept off the CPU for that long. The first sleep makes the file
+    ``go``, which the ranks wait for: the first look sees them all running."""
 
-    def __init__(self, limit_s: float) -> None:
+    def __init__(self, limit_s: float, go: Path) -> None:
         self.procs: list = []
-        self.limit_s = limit_s
+        self.limit_s, self.go, self.sleeps = limit_s, go, 0
         self.time, self.monotonic = time.time, time.monotonic
 
     def sleep(self, seconds: float) -> None:
         from multiprocessing.connection import wait
 
+        self.sleeps += 1
+        self.go.touch()
         until = time.monotonic() + self.limit_s  # the limit was set before the first look, which came before this
         for proc in self.procs:
             wait([proc.sentinel], timeout=120)
         time.sleep(max(0.0, until - time.monotonic()))
 
 
-def test_ranks_done_by_the_look_their_time_limit_passed_in_are_a_success(monkeypatch):
-    """The limit was read before "all done": a run whose ranks finished in the poll the limit passed in (a
-    launcher kept off the CPU for a poll) returned 124, the time limit's status, for a complete run."""
-    clock = _LateLook(limit_s=2)
+def _late_looks(monkeypatch, limit_s: float, go: Path) -> _LateLook:
+    """Give ``spawn`` a :class:`_LateLook` clock that knows the ranks it starts."""
+    clock = _LateLook(limit_s, go)
     add = ExitWatch.add
     monkeypatch.setattr(ExitWatch, "add", lambda watch, proc: (clock.procs.append(proc), add(watch, proc))[1])
     monkeypatch.setattr(local, "time", clock)
-    assert spawn(_done, 1, timeout_s=2) == 0
+    return clock
+
+
+def test_ranks_done_by_the_look_their_time_limit_passed_in_are_a_success(monkeypatch, tmp_path):
+    """The limit was read before "all done": a run whose ranks finished in the poll the limit passed in (a
+    launcher kept off the CPU for a poll) returned 124, the time limit's status, for a complete run."""
+    clock = _late_looks(monkeypatch, limit_s=2, go=tmp_path / "go")
+    assert spawn(_done, 1, str(tmp_path / "go"), timeout_s=2) == 0
+    assert clock.sleeps == 1  # the first look saw the rank running, the second done, past its limit
 
 
 def _sleeper() -> int:
