@@ -126,37 +126,37 @@ def test_compile_and_warmup_fraction_settings_are_checked(value):
 
 
 def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus, tmp_path):
-    """tiny, 2 ranks, 0.15 minutes, warmup_fraction 0.25 of a configured 100 000: fitted, logged, followed, saved.
+    """tiny, 2 ranks, 0.1875 minutes, warmup_fraction 0.25 of a configured 100 000: fitted, logged, followed, saved.
 
-    Each step lasts exactly 100 ms by the trainer's clock (the ``step_clock`` fault): measured, a test worker
-    sharing the 2 cores could halve the rate after the fit, or settle it late, and the figures moved with it.
+    Each step lasts exactly 125 ms by the trainer's clock (the ``step_clock`` fault; exact in binary, so are the
+    sums): measured, a test worker sharing the 2 cores could halve the rate after the fit, or settle it late.
     """
     run = tmp_path / "run"
     sets = [*common(corpus), "train.max_steps=100000", "train.warmup_fraction=0.25", "train.warmup_steps=100000"]
     sets += ["train.save_interval=0"]
-    clock = "step_clock:step=100"
-    proc = train(run, 2, [*sets, "train.max_minutes=0.15"], fault=clock)
+    clock = "step_clock:step=125"
+    proc = train(run, 2, [*sets, "train.max_minutes=0.1875"], fault=clock)
     ok(proc)
     fits = re.findall(
-        r"~([\d,]+) steps expected in train.max_minutes=0.15; the warm-up ends at update ([\d,]+)", proc.stdout
+        r"~([\d,]+) steps expected in train.max_minutes=0.1875; the warm-up ends at update ([\d,]+)", proc.stdout
     )
-    # 9 s of 100 ms steps: 90 expected from the first fit on; a quarter of them, 22.5, rounds to 22. A steady rate
+    # The first fit, at step 20: 14 steps since the run settled (step 6) in 1.75 s (the world's seconds lag a
+    # step), and 8.875 s of the 11.25 left: 71 more, 91 expected; a quarter, 22.75, rounds to 23. A steady rate
     # moves no later fit by 10 %, so none is logged.
-    assert [tuple(int(n.replace(",", "")) for n in fit) for fit in fits] == [(90, 22)], proc.stdout[-3000:]
+    assert [tuple(int(n.replace(",", "")) for n in fit) for fit in fits] == [(91, 23)], proc.stdout[-3000:]
     curve = losses(run)
     last = max(curve)
-    assert last == 91  # the 90th step reaches 9 s; the next sees it (its flags are set before it runs) and ends the run
+    assert last == 91  # 90 steps spend the 11.25 s; the 91st sees it (its flags are set before it runs) and ends
     (meta,) = (run / "checkpoints").glob("step-*/meta.json")
     warmup = json.loads(meta.read_text())["run"]["engine"]["warmup"]
-    assert warmup == 22 and re.findall(r"the warm-up ended at update ([\d,]+)", proc.stdout) == ["22"], proc.stdout
+    assert warmup == 23 and re.findall(r"the warm-up ended at update ([\d,]+)", proc.stdout) == ["23"], proc.stdout
     for step in range(warmup, last + 1):  # after the last fit the lr is the fitted schedule's (the next update's)
         assert curve[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
     more = train(run, 2, [*sets, "train.max_minutes=0.25"], fault=clock)
     ok(more)
     assert "the warm-up end" not in more.stdout  # the saved warm-up has ended: it stays
     resumed = losses(run)
-    # 15 s is reached at step 151 (the float sum of 100 ms steps is a hair short of it at 150), and the next ends it
-    assert max(resumed) == 152
+    assert max(resumed) == 121  # 15 s: spent by step 120, seen by 121
     for step in range(last + 1, max(resumed) + 1):
         assert resumed[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
 
