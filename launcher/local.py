@@ -356,7 +356,8 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             time.sleep(POLL_S)
     finally:
         try:
-            # Both must say so: a rank reaped whose pid another process took may look alive to /proc.
+            # Running by both: the watch sees an exit before the fork server tells of it (no signal then to a pid
+            # that may soon be another process's), and the fork server answers where the watch has nothing to read.
             running = {rank for rank, p in enumerate(procs) if p.is_alive() and watch.running(rank)}
         finally:
             watch.close()
