@@ -340,6 +340,11 @@ def test_requeue_refuses_without_progress(monkeypatch, tmp_path):
     assert "outside a SLURM job" in said[1] and not log.exists()
     assert requeue("7", made_progress=True, log=said.append) is True
     assert log.read_text() == "requeue 7\n"
+    # srun repeats the warning every 5 s to every process of the step, scontrol included: a repeat that came
+    # while it ran killed it (status -10), the requeue unanswered and the job ended instead of requeued.
+    monkeypatch.setenv("FAKE_SCONTROL_SIGNALS", "USR1 TERM")
+    assert requeue("7", made_progress=True, log=said.append) is True, said
+    assert log.read_text() == "requeue 7\n" * 2
 
 
 def test_sequence_parallel_trains_what_tp1_trains_and_validates_any_length(corpus, tmp_path):

@@ -134,6 +134,12 @@ class SignalWatch:
             signal.signal(sig, signal.SIG_IGN if self.requeued and sig == signal.SIGTERM else previous)
 
 
+def _ignore_term_and_usr1() -> None:
+    """In scontrol's process, before it starts: the requeue's SIGTERM and a repeated warning leave it be."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def requeue(job: str | None, made_progress: bool, log=print) -> bool:
     """Ask SLURM to requeue ``job`` (this process's, None outside SLURM); True if it accepted."""
     if job is None:
@@ -148,11 +154,13 @@ def requeue(job: str | None, made_progress: bool, log=print) -> bool:
         return False
     # An accepted requeue makes SLURM end the job's processes at once with SIGTERM, scontrol
     # included: it ignores TERM so that it can report the answer (SIGKILL comes only after KillWait).
+    # It ignores USR1 too: the batch shell repeats the warning every 5 s to every process of the step
+    # (slurm/common.sh), and one that came while scontrol ran killed it, the requeue unanswered.
     proc = subprocess.run(
         [scontrol, "requeue", job],
         capture_output=True,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN),
+        preexec_fn=_ignore_term_and_usr1,
     )
     if proc.returncode != 0:
         log(f"signal: scontrol requeue {job} failed: {proc.stderr.strip() or proc.returncode}")
