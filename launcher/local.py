@@ -231,9 +231,10 @@ class ExitWatch:
             fd = os.pidfd_open(proc.pid)
         except (AttributeError, OSError):  # not Linux, or the rank already exited and was reaped
             fd = None
+        stat = _proc_stat(proc.pid) if fd is None else None
         self.procs.append(proc)
         self.fds.append(fd)
-        self.started.append(None if fd is not None else (_proc_stat(proc.pid) or (None, None))[1])
+        self.started.append(stat[1] if stat is not None else None)
         self.seen.append(time.time())
 
     def running(self, rank: int) -> bool:

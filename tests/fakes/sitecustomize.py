@@ -39,28 +39,34 @@ def _mine(rank):
     return rank < 0 or int(os.environ.get("RANK", "0")) == rank
 
 
-class _FastClock:
-    """The ``time`` module with ``monotonic`` running ``factor`` times as fast."""
+class _Time:
+    """The ``time`` module, of which a subclass changes one clock."""
 
-    def __init__(self, real, factor):
-        self._real, self._factor = real, factor
+    def __init__(self, real):
+        self._real = real
 
     def __getattr__(self, name):
         return getattr(self._real, name)
+
+
+class _FastClock(_Time):
+    """The ``time`` module with ``monotonic`` running ``factor`` times as fast."""
+
+    def __init__(self, real, factor):
+        super().__init__(real)
+        self._factor = factor
 
     def monotonic(self):
         return self._real.monotonic() * self._factor
 
 
-class _StepClock:
+class _StepClock(_Time):
     """The ``time`` module with a ``perf_counter`` that moves ``seconds`` at each call: the trainer reads it at
     a step's start and end, so each step lasts exactly that long."""
 
     def __init__(self, real, seconds):
-        self._real, self._seconds, self._calls = real, seconds, 0
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
+        super().__init__(real)
+        self._seconds, self._calls = seconds, 0
 
     def perf_counter(self):
         self._calls += 1
