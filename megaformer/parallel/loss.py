@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megaformer.parallel import fused
 from megaformer.parallel.groups import TPGroup
 
 # Elements of a block of rows in the loss's CPU passes: 1 MiB of fp32 (see _row_blocks)
@@ -72,9 +73,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         stats = torch.zeros((3, n), dtype=compute, device=logits.device)
         stats[1] = logits.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).to(compute).masked_fill(~in_range, 0.0)
         floor = math.log(torch.finfo(compute).tiny) + 1.0  # exp(floor) is a normal number: the fast path
-        exp = torch.empty((n, local), dtype=compute, device=logits.device)
         cpu_form = _cpu_form(logits.device)
-        for rows in _row_blocks(n, real_cols, cpu_form):
+        if not cpu_form and compute == torch.float32 and fused.enabled():
+            exp = None  # one pass, reading the logits in their own dtype
+            if real_cols > 0:
+                sums = fused.ce_sums(z, m, floor)
+                stats[0], stats[2] = sums[0], sums[1]
+        else:
+            exp = torch.empty((n, local), dtype=compute, device=logits.device)
+        for rows in _row_blocks(n, real_cols, cpu_form) if exp is not None else ():
             e, zr = exp[rows, :real_cols], z[rows]
             if cpu_form and zr.dtype != compute:  # widened once, into the block of the buffer
                 zr = e.copy_(zr)
@@ -92,15 +99,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         keep = target != ignore_index
         loss = loss.masked_fill(~keep, 0.0)
 
-        saved.save_for_backward(exp, sum_exp, local_t, in_range, keep)
+        # the fused form keeps the logits (alive anyway as the matmul's output) instead of an fp32 exp buffer
+        saved.save_for_backward(logits if exp is None else exp, sum_exp, local_t, in_range, keep, m)
         saved.smoothing, saved.vocab_size, saved.real_cols, saved.dtype = smoothing, vocab_size, real_cols, logits.dtype
+        saved.fused, saved.floor = exp is None, floor
         return loss
 
     @staticmethod
     def backward(saved, grad_loss):
-        exp, sum_exp, local_t, in_range, keep = saved.saved_tensors
+        exp, sum_exp, local_t, in_range, keep, m = saved.saved_tensors
         eps, real_cols = saved.smoothing, saved.real_cols
         g = grad_loss * keep  # (N,)
+        if saved.fused:  # ``exp`` holds the logits: their gradient in one pass
+            scale, shift = g / sum_exp, g * (-eps / saved.vocab_size)
+            at_target = g * in_range * (1.0 - eps)
+            grad = fused.ce_grad(exp, m, saved.floor, scale, shift, local_t, at_target, real_cols)
+            return grad, None, None, None, None, None
         # The gradient is (softmax - (1 - eps) onehot(t)) g - eps g / V over the real columns,
         # written as (exp - (1 - eps) S onehot(t)) (g / S) - eps g / V: the target column
         # first, in the compute dtype (sum_exp first: a python float times a bool tensor

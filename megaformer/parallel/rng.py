@@ -52,6 +52,7 @@ from contextlib import contextmanager
 
 import torch
 
+from megaformer.parallel import fused
 from megaformer.parallel.groups import TPGroup
 
 
@@ -102,10 +103,7 @@ def _random_bits16(shape: list[int], key: int | torch.Tensor, counters: torch.Te
     for size in shape:
         numel *= size
     if torch.compiler.is_compiling():
-        position = torch.arange(numel, dtype=torch.int64, device=key.device)
-        words = _splitmix64((position >> 2).add_(1).mul_(_GOLDEN).add_(key))
-        lanes = (words >> ((position & 3) * 16)) & 0xFFFF
-        return (lanes - ((lanes >> 15) << 16)).view(shape)  # as signed 16-bit values
+        return bits_at_positions(numel, key).view(shape)
     words = (numel + 3) // 4
     if counters is None:
         counters = _word_counters(words, key.device)
@@ -113,6 +111,18 @@ def _random_bits16(shape: list[int], key: int | torch.Tensor, counters: torch.Te
         counters = counters[:words]
     bits = _splitmix64(torch.add(counters, key)).view(torch.int16)
     return (bits if bits.numel() == numel else bits[:numel]).view(shape)
+
+
+def bits_at_positions(numel: int, key: torch.Tensor) -> torch.Tensor:
+    """:func:`_random_bits16`'s values of ``numel`` elements, each computed from its own position (int64).
+
+    The form a compiled kernel fuses into its consumer (``key`` a 0-dim int64 tensor on the
+    device): every element computes its word and shifts its lane out.
+    """
+    position = torch.arange(numel, dtype=torch.int64, device=key.device)
+    words = _splitmix64((position >> 2).add_(1).mul_(_GOLDEN).add_(key))
+    lanes = (words >> ((position & 3) * 16)) & 0xFFFF
+    return lanes - ((lanes >> 15) << 16)  # as signed 16-bit values
 
 
 def _drop_levels(p: float) -> int:
@@ -249,7 +259,19 @@ class DropoutRNG:
         if not training or p == 0.0:
             return x
         drop = _drop_levels(p)
-        return x.mul(self.keep_mask(x, p, split_dim)).mul_(_LEVELS / (_LEVELS - drop))
+        scale = _LEVELS / (_LEVELS - drop)
+        if self._one_kernel(x, split_dim):
+            key = self._next_key(self.stream_of(split_dim), x.device)
+            return fused.dropout(x, key, drop - _LEVELS // 2, scale)
+        return x.mul(self.keep_mask(x, p, split_dim)).mul_(scale)
+
+    def _one_kernel(self, x: torch.Tensor, split_dim: int | None) -> bool:
+        """Whether the mask and its use are one operator (:func:`megaformer.parallel.fused.dropout`): off the
+        CPU (whose eager form keeps the mask for the backward), outside a compiled graph (which fuses the
+        mask itself), for a mask of the tensor itself (not this rank's slice of a wider one's)."""
+        if x.device.type == "cpu" or torch.compiler.is_compiling() or not fused.enabled():
+            return False
+        return not (self.stream_of(split_dim) == "shared" and split_dim is not None and self.tp.size > 1)
 
     def state_dict(self) -> dict[str, list[int]]:
         """[seed, keys drawn] of each stream: plain integers, the same on every device."""
