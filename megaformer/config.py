@@ -82,7 +82,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16
-    zero_stage: int = 1
+    # auto | lean | deepspeed; auto: train/lean.py's engine at dp=1 pp=1 in fp32 or bf16 on a GPU, else DeepSpeed
+    optimizer: str = "auto"
+    zero_stage: int = 1  # DeepSpeed's
     tokens_per_step: int = 25000  # target tokens (per side) per optimizer step, all DP ranks together
     max_steps: int = 100000
     max_minutes: float = 0.0  # also stop (and save) after this much training time; 0 = no limit
@@ -154,6 +156,7 @@ _CHOICES = {
     ("parallel", "backend"): ("auto", "nccl", "gloo"),
     ("parallel", "device"): ("auto", "cpu", "cuda"),
     ("train", "precision"): ("fp32", "bf16", "fp16"),
+    ("train", "optimizer"): ("auto", "deepspeed", "lean"),
     ("train", "zero_stage"): (0, 1, 2),
     ("train", "zero_contiguous_gradients"): ("auto", "true", "false"),
     ("train", "compile"): ("auto", "true", "false"),
@@ -351,12 +354,13 @@ RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
 
 
 def check_precision(train: TrainConfig) -> None:
-    """bf16 and fp16 train through DeepSpeed's ZeRO optimizer, which holds the fp32 master weights.
+    """bf16 and fp16 train through DeepSpeed's ZeRO optimizer, which holds the fp32 master weights (or
+    bf16 through the lean engine's, ``train.optimizer=lean``).
 
     A training check (``megaformer train`` before any process starts, and the engine), not
     one of :func:`load_config`'s: a config only read, not trained, may name any precision.
     """
-    if train.precision in ("bf16", "fp16") and train.zero_stage == 0:
+    if train.precision in ("bf16", "fp16") and train.zero_stage == 0 and train.optimizer != "lean":
         raise ConfigError(
             f"train.precision={train.precision} keeps fp32 master weights in DeepSpeed's ZeRO optimizer: "
             f"set train.zero_stage=1 (with one data-parallel rank it shards nothing)"
@@ -412,16 +416,11 @@ MAX_WEIGHT = 2**40  # values in one weight: GPT-3's largest holds 6e8; past 2^63
 
 def _check_shapes(cfg: Config) -> None:
     """No weight larger than :data:`MAX_WEIGHT` values (``info --set model.d_model=4000000000`` overflowed torch)."""
-    m, d = cfg.model, cfg.model.d_model
+    m, d, v = cfg.model, cfg.model.d_model, cfg.data.vocab_size
     weights = [  # (the key to lower, its value, the weight, its values)
         ("model.d_model", d, f"the attention projection (3 x {d} x {d})", 3 * d * d),
         ("model.d_ff", m.d_ff, f"the feed-forward weight ({d} x {m.d_ff})", d * m.d_ff),
-        (
-            "data.vocab_size",
-            cfg.data.vocab_size,
-            f"the embedding ({cfg.data.vocab_size} x {d})",
-            cfg.data.vocab_size * d,
-        ),
+        ("data.vocab_size", v, f"the embedding ({v} x {d})", v * d),
         ("model.max_positions", m.max_positions, f"the position table ({m.max_positions} x {d})", m.max_positions * d),
     ]
     key, value, weight, size = max(weights, key=lambda w: w[3])

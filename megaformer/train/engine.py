@@ -11,13 +11,16 @@ step (:class:`megaformer.train.feed.DataFeed` decides the exact count).
 The optimizer's fp32 state is read and written per parameter (at this rank's TP
 shape, complete over DP) through DeepSpeed's ``safe_get/set_full_*`` functions, which
 is what makes checkpoints independent of the DP size and ZeRO stage.
+
+Where DeepSpeed would only add work (one replica, no pipeline, fp32 or bf16), ``train.optimizer``
+picks :class:`megaformer.train.lean.LeanEngine` instead (:func:`optimizer_path`): the same
+arithmetic and the same state, without DeepSpeed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import math
 import os
 import re
 import warnings
@@ -29,18 +32,20 @@ import torch
 import torch.distributed as dist
 
 from megaformer.config import Config, TrainConfig, check_precision
-from megaformer.errors import MegaformerWarning
+from megaformer.errors import ConfigError, MegaformerWarning
 from megaformer.parallel import ParallelContext
 from megaformer.parallel.sharding import tp_dim
 from megaformer.train.engine_state import (
+    EngineState,
+    adam_settings,
     export_tensors,
     import_tensors,
     inner_optimizer,
+    lr_schedule,
     optimizer_step_count,
-    rewind_schedule,
     uses_zero,
 )
-from megaformer.train.schedule import Cooldown, InverseSqrtSchedule
+from megaformer.train.lean import LeanEngine, lean_refusal
 
 try:  # NVIDIA apex: fused Adam on GPUs when installed; never required.
     from apex.optimizers import FusedAdam as _ApexFusedAdam
@@ -161,7 +166,7 @@ def _tag_model_parallel(model: torch.nn.Module, ctx: ParallelContext) -> None:
 
 
 def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    kwargs = dict(lr=1.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+    kwargs = adam_settings(t)
     if _ApexFusedAdam is not None and device.type == "cuda":
         return _ApexFusedAdam(model.parameters(), adam_w_mode=False, **kwargs)
     # torch's fused Adam (CPU and CUDA): one kernel over all tensors instead of a Python
@@ -170,7 +175,7 @@ def _optimizer(model: torch.nn.Module, t: TrainConfig, device: torch.device) -> 
 
 
 @dataclass
-class Engine:
+class Engine(EngineState):
     """DeepSpeed's engine and what the loop needs beside it; the only code that touches DeepSpeed's internals.
 
     Stateful: :meth:`state_dict` / :meth:`load_state_dict` carry the fp32 weights, Adam's
@@ -185,6 +190,14 @@ class Engine:
     @property
     def module(self) -> torch.nn.Module:
         return self.ds.module
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.ds.lr_scheduler
+
+    def describe(self) -> str:
+        """The optimizer path, for the run's log line."""
+        return f"deepspeed zero={self.ds.zero_optimization_stage()}"
 
     @property
     def global_steps(self) -> int:
@@ -233,50 +246,15 @@ class Engine:
     def lr(self) -> float:
         return self.ds.get_lr()[0]
 
-    @property
-    def cooldown(self) -> Cooldown | None:
-        return self._schedule().cooldown
-
-    def set_cooldown(self, cooldown: Cooldown | None) -> None:
-        """Ramp the lr down as ``cooldown`` says, from the next update on (the current lr is recomputed)."""
-        self._schedule().cooldown = cooldown
-        rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
-
-    @property
-    def warmup(self) -> int | None:
-        return self._schedule().warmup
-
-    def set_warmup(self, updates: int | None) -> None:
-        """Warm up over ``updates`` updates (None: train.warmup_steps), from the next update on."""
-        self._schedule().warmup = updates
-        rewind_schedule(self.ds.lr_scheduler, self.optimizer_steps)
-
-    def _schedule(self) -> InverseSqrtSchedule:
-        return self.ds.lr_scheduler.lr_lambdas[0]  # one multiplier, shared by every param group
-
     def loss_scale(self) -> float:
         opt = self.ds.optimizer
         scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
         return float(scale) if scale is not None else 1.0
 
-    def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (DeepSpeed's, or ours without ZeRO); None if unknown.
-        A read of the device: for the log; :meth:`grad_norm_on_device` does not wait."""
-        norm = self.grad_norm_on_device()
-        return float(norm) if norm is not None else None
-
     def grad_norm_on_device(self) -> torch.Tensor | float | None:
         """:meth:`grad_norm` as DeepSpeed or :meth:`note_grad_norm` left it: a device tensor (or a float), unread."""
         norm = self.ds.get_global_grad_norm()
         return norm if norm is not None else self.last_grad_norm
-
-    def not_finite(self, loss: torch.Tensor) -> torch.Tensor:
-        """Whether ``loss`` or the step's gradient norm is inf or NaN, as a boolean on the device (not read)."""
-        bad = ~torch.isfinite(loss)
-        norm = self.grad_norm_on_device()
-        if torch.is_tensor(norm):
-            return bad | ~torch.isfinite(norm.to(bad.device)).all()
-        return bad | (norm is not None and not math.isfinite(norm))
 
     def note_grad_norm(self) -> None:
         """Without ZeRO DeepSpeed keeps no norm (with clipping it computes one and drops it): compute it, unread,
@@ -317,8 +295,7 @@ class Engine:
                 "skipped_steps": self.ds.skipped_steps,
                 "optimizer_steps": optimizer_step_count(inner_optimizer(self)),
                 "loss_scaler": {k: (v.item() if torch.is_tensor(v) else v) for k, v in fields.items()},
-                "cooldown": None if self.cooldown is None else [self.cooldown.start, self.cooldown.length],
-                "warmup": self.warmup,
+                **self.schedule_counters(),
             },
         }
 
@@ -333,24 +310,10 @@ class Engine:
         for name, value in counters.get("loss_scaler", {}).items():
             if scaler is not None and hasattr(scaler, name):
                 setattr(scaler, name, value)
-        warmup = counters.get("warmup")  # absent before time budgets fitted the warm-up
-        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1):
-            raise ValueError(f"warmup {warmup!r}: needs an integer >= 1 or null")
-        self._schedule().warmup = warmup
-        self.set_cooldown(cooldown_of(counters.get("cooldown")))  # also sets the lr to the step count's
+        self.load_schedule(counters)
 
 
 SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
-
-
-def cooldown_of(saved: list | None) -> Cooldown | None:
-    """The cool-down a state holds as ``[start, length]`` (None: none); ValueError for one that cannot be."""
-    if saved is None:
-        return None
-    start, length = (int(n) for n in saved)
-    if start < 0 or length < 1:
-        raise ValueError(f"cooldown {saved}: needs a start >= 0 and a length >= 1")
-    return Cooldown(start, length)
 
 
 @contextlib.contextmanager
@@ -374,8 +337,22 @@ def _without_shm_op():
         compatible[SHM_OP] = saved
 
 
-def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine:
-    """Wrap ``model`` (already on ``ctx.device``) in a DeepSpeed engine configured from ``cfg``."""
+def optimizer_path(cfg: Config, ctx: ParallelContext) -> str:
+    """``train.optimizer`` for this run: "lean" or "deepspeed" ("auto": lean for one replica without a pipeline
+    in fp32 or bf16 on a GPU); a ConfigError where lean is asked for and cannot run."""
+    why_not = lean_refusal(cfg, ctx)
+    if cfg.train.optimizer == "lean" and why_not is not None:
+        raise ConfigError(why_not)
+    if cfg.train.optimizer == "auto":
+        return "lean" if why_not is None and ctx.device.type == "cuda" else "deepspeed"
+    return cfg.train.optimizer
+
+
+def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accumulation: int) -> Engine | LeanEngine:
+    """Wrap ``model`` (already on ``ctx.device``) in the engine ``train.optimizer`` picks (:func:`optimizer_path`):
+    DeepSpeed configured from ``cfg``, or the lean engine."""
+    if optimizer_path(cfg, ctx) == "lean":
+        return LeanEngine.create(cfg, ctx, model, accumulation)
     _use_accelerator_of(ctx.device)
     import deepspeed
 
@@ -386,8 +363,7 @@ def build_engine(cfg: Config, ctx: ParallelContext, model: torch.nn.Module, accu
         )
     _tag_model_parallel(model, ctx)
     optimizer = _optimizer(model, cfg.train, ctx.device)
-    schedule = InverseSqrtSchedule(cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    lr_scheduler = lr_schedule(cfg, optimizer)
     fp16_on_cpu = cfg.train.precision == "fp16" and ctx.device.type == "cpu"
     with _fp16_allowed_on_cpu() if fp16_on_cpu else contextlib.nullcontext(), _memory_reports_dropped():
         ds, _, _, _ = deepspeed.initialize(

@@ -1,6 +1,10 @@
-"""The engine's tensors in and out of DeepSpeed: weights, Adam moments and step counts, at this rank's TP shape.
+"""The engines' state: weights, Adam moments and step counts at this rank's TP shape, the lr schedule, the counters.
 
-Part of :mod:`megaformer.train.engine` (the only code touching DeepSpeed's internals):
+Shared by the DeepSpeed engine (:mod:`megaformer.train.engine`, the only code touching
+DeepSpeed's internals) and the lean one (:mod:`megaformer.train.lean`), so that either
+resumes the other's checkpoints: :class:`EngineState` holds what both do alike (the lr
+schedule with its cool-down and fitted warm-up, the finite check, the counters), and both
+take Adam's settings and the lr schedule from here. For the DeepSpeed engine,
 ``export_tensors`` gathers fp32 weights and Adam moments complete over DP (ZeRO
 partitions included), ``import_tensors`` puts them back, and the optimizer's step count
 is read and set where each optimizer keeps it (torch's fused Adam: a tensor on the
@@ -9,15 +13,101 @@ parameter's device; apex's and DeepSpeed's FusedAdam: a number in each param gro
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
+from megaformer.config import Config, TrainConfig
+from megaformer.train.schedule import Cooldown, InverseSqrtSchedule
+
 if TYPE_CHECKING:
     from megaformer.train.engine import Engine
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_settings(t: TrainConfig) -> dict:
+    """Adam's arguments from the config (the lr is the schedule's multiplier of 1)."""
+    return dict(lr=1.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
+def lr_schedule(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The paper's schedule (:class:`InverseSqrtSchedule`) over ``optimizer``'s updates."""
+    schedule = InverseSqrtSchedule(cfg.model.d_model, cfg.train.warmup_steps, cfg.train.lr_scale)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def cooldown_of(saved: list | None) -> Cooldown | None:
+    """The cool-down a state holds as ``[start, length]`` (None: none); ValueError for one that cannot be."""
+    if saved is None:
+        return None
+    start, length = (int(n) for n in saved)
+    if start < 0 or length < 1:
+        raise ValueError(f"cooldown {saved}: needs a start >= 0 and a length >= 1")
+    return Cooldown(start, length)
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in fp32 on the CPU, never sharing the live tensor's memory (a CPU tensor is copied too)."""
+    return tensor.detach().to("cpu", torch.float32, copy=True)
+
+
+class EngineState:
+    """What both engines do alike; each has ``lr_scheduler``, ``optimizer_steps`` and ``grad_norm_on_device()``."""
+
+    lr_scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    @property
+    def cooldown(self) -> Cooldown | None:
+        return self._schedule().cooldown
+
+    def set_cooldown(self, cooldown: Cooldown | None) -> None:
+        """Ramp the lr down as ``cooldown`` says, from the next update on (the current lr is recomputed)."""
+        self._schedule().cooldown = cooldown
+        rewind_schedule(self.lr_scheduler, self.optimizer_steps)
+
+    @property
+    def warmup(self) -> int | None:
+        return self._schedule().warmup
+
+    def set_warmup(self, updates: int | None) -> None:
+        """Warm up over ``updates`` updates (None: train.warmup_steps), from the next update on."""
+        self._schedule().warmup = updates
+        rewind_schedule(self.lr_scheduler, self.optimizer_steps)
+
+    def _schedule(self) -> InverseSqrtSchedule:
+        return self.lr_scheduler.lr_lambdas[0]  # one multiplier, shared by every param group
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step; None if unknown. A read of the device: for the log;
+        :meth:`grad_norm_on_device` does not wait."""
+        norm = self.grad_norm_on_device()
+        return float(norm) if norm is not None else None
+
+    def not_finite(self, loss: torch.Tensor) -> torch.Tensor:
+        """Whether ``loss`` or the step's gradient norm is inf or NaN, as a boolean on the device (not read)."""
+        bad = ~torch.isfinite(loss)
+        norm = self.grad_norm_on_device()
+        if torch.is_tensor(norm):
+            return bad | ~torch.isfinite(norm.to(bad.device)).all()
+        return bad | (norm is not None and not math.isfinite(norm))
+
+    def schedule_counters(self) -> dict:
+        """The schedule's state for ``counters``: the cool-down's ``[start, length]``, the fitted warm-up (or None)."""
+        return {
+            "cooldown": None if self.cooldown is None else [self.cooldown.start, self.cooldown.length],
+            "warmup": self.warmup,
+        }
+
+    def load_schedule(self, counters: dict) -> None:
+        """The schedule of :meth:`schedule_counters`, the lr set to the update count's (call after the counters)."""
+        warmup = counters.get("warmup")  # absent before time budgets fitted the warm-up
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1):
+            raise ValueError(f"warmup {warmup!r}: needs an integer >= 1 or null")
+        self._schedule().warmup = warmup
+        self.set_cooldown(cooldown_of(counters.get("cooldown")))  # also sets the lr to the step count's
 
 
 def inner_optimizer(engine: Engine) -> torch.optim.Optimizer:
@@ -86,11 +176,11 @@ def export_tensors(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
             for key in ADAM_KEYS:
                 out[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu()
         else:
-            out["param"][name] = p.detach().float().cpu().clone()
+            out["param"][name] = host_copy(p)
             state = inner_optimizer(engine).state[p]
             for key in ADAM_KEYS:
                 value = state.get(key)
-                out[key][name] = torch.zeros_like(out["param"][name]) if value is None else value.detach().float().cpu()
+                out[key][name] = torch.zeros_like(out["param"][name]) if value is None else host_copy(value)
     return out
 
 

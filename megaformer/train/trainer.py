@@ -40,7 +40,8 @@ from megaformer.parallel.stages import plan_stages
 from megaformer.pipeline.schedule import Pipeline
 from megaformer.train.budget import BudgetPlan, compile_choice, nothing_left_to_train
 from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
-from megaformer.train.engine import Engine, build_engine, cooldown_of
+from megaformer.train.engine import build_engine
+from megaformer.train.engine_state import cooldown_of
 from megaformer.train.feed import DataFeed
 from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, peak_source
 from megaformer.train.profile import StepProfiler
@@ -87,7 +88,7 @@ class Trainer:
         self.feed = DataFeed(
             self._stream, streams, ctx.dp_rank, ctx.dp_size, self.plan.micro_batches_per_stream, self.rng, t.seed
         )
-        self.engine: Engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)
+        self.engine = build_engine(cfg, ctx, self.model, self.feed.accumulation)  # DeepSpeed's or the lean one
         self.pipeline = Pipeline(ctx, self.model, self.stages) if ctx.pp_size > 1 else None
         self.parameters = model_info(cfg)["parameters"]
         # The peak of all devices together. On a CPU every rank measures at the same time (as
@@ -159,7 +160,7 @@ class Trainer:
             self.log(f"train: pipeline of {ctx.pp_size} stages: " + "; ".join(p.describe() for p in self.stages))
         self.log(
             f"train: {self.parameters / 1e6:.1f}M parameters, tp={ctx.layout.tp}{sp * self.cfg.parallel.sequence_parallel} dp={ctx.layout.dp} pp={ctx.pp_size} "
-            f"zero={t.zero_stage} {t.precision}, {self.feed.accumulation} micro-batch{'es' * (self.feed.accumulation > 1)} of <= "
+            f"{self.engine.describe()} {t.precision}, {self.feed.accumulation} micro-batch{'es' * (self.feed.accumulation > 1)} of <= "
             f"{self.plan.max_tokens_per_micro_batch} tokens per rank per step ({streams} data stream{'s' * (streams != 1)}, "
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
