@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megaformer.parallel",),
     ("megaformer.data", "megaformer.model", "megaformer.layout_cost"),
     ("megaformer.checkpoint",),
-    ("megaformer.pipeline", "megaformer.train", "megaformer.decode", "megaformer.export", "megaformer.info"),
+    ("megaformer.pipeline", "megaformer.train", "megaformer.decode", "megaformer.export", "megaformer.info", "megaformer.sim"),
     ("megaformer.parity", "megaformer.demo"),
     ("megaformer.commands", "megaformer.cli_args"),
     ("megaformer.cli", "megaformer.__main__"),
