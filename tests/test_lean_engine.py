@@ -276,6 +276,14 @@ def test_train_optimizer_picks_lean_only_where_it_applies():
         _config("train.optimizer=adam")
 
 
+def test_train_check_refuses_lean_where_it_cannot_run_before_any_process_starts():
+    """``train --check`` (check_launch, torch-free) says what the ranks would: the same line."""
+    from megaformer.train.launch import check_launch
+
+    with pytest.raises(ConfigError, match="train.optimizer=lean .*dp=2 pp=1 fp32.*set train.optimizer=auto"):
+        check_launch(_config("train.optimizer=lean"), 2)
+
+
 def test_bf16_without_zero_is_refused_only_for_deepspeed():
     """bf16's fp32 masters are DeepSpeed's ZeRO optimizer's, or the lean engine's own."""
     from megaformer.config import check_precision

@@ -137,3 +137,14 @@ def check_tp_within_nodes(layout: ParallelLayout, hosts: Sequence[str]) -> None:
         f"parallel.tp={layout.tp} puts tensor-parallel groups across nodes ({where}): "
         f"with {per_node} rank(s) per node use parallel.tp in {fits}, or launch more ranks per node"
     )
+
+
+def lean_refusal(precision: str, dp: int, pp: int) -> str | None:
+    """Why the lean engine (``train.optimizer=lean``) cannot train a run of this precision and layout (None: it
+    can): it holds one whole replica, in fp32 or bf16. Torch-free, so that ``train --check`` asks it too."""
+    if dp == 1 and pp == 1 and precision in ("fp32", "bf16"):
+        return None
+    return (
+        f"train.optimizer=lean runs one replica without a pipeline in fp32 or bf16, not dp={dp} "
+        f"pp={pp} {precision}: set train.optimizer=auto (DeepSpeed here) or deepspeed"
+    )

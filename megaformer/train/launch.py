@@ -80,6 +80,7 @@ def check_launch(cfg: Config, world: int, per_node: list[int] | None = None) -> 
     split, the data; with ``per_node`` (the ranks each node runs, numbered node by node), no TP group across
     nodes (the ranks check again on their host names)."""
     from megaformer.parallel import ParallelLayout, check_model_split, check_tp_within_nodes
+    from megaformer.parallel.layout import lean_refusal
 
     layout = ParallelLayout.from_config(cfg.parallel, world)
     if per_node is not None:
@@ -88,6 +89,8 @@ def check_launch(cfg: Config, world: int, per_node: list[int] | None = None) -> 
         check_tp_within_nodes(layout, [f"node{i}" for i, count in enumerate(per_node, 1) for _ in range(count)])
     check_model_split(cfg.model, layout.tp)
     check_precision(cfg.train)
+    if cfg.train.optimizer == "lean" and (why := lean_refusal(cfg.train.precision, layout.dp, layout.pp)):
+        raise ConfigError(why)
     check_data(cfg)
     return layout
 

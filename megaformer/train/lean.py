@@ -34,6 +34,7 @@ from torch.optim import optimizer as torch_optimizer
 from megaformer.config import Config
 from megaformer.errors import ConfigError
 from megaformer.parallel import ParallelContext
+from megaformer.parallel.layout import lean_refusal as layout_refusal
 from megaformer.parallel.sharding import tp_dim
 from megaformer.train.engine_state import (
     ADAM_KEYS,
@@ -48,13 +49,7 @@ from megaformer.train.engine_state import (
 
 def lean_refusal(cfg: Config, ctx: ParallelContext) -> str | None:
     """Why the lean engine cannot train this run (None: it can): it holds one replica of the whole model."""
-    t = cfg.train
-    if ctx.dp_size == 1 and ctx.pp_size == 1 and t.precision in ("fp32", "bf16"):
-        return None
-    return (
-        f"train.optimizer=lean runs one replica without a pipeline in fp32 or bf16, not dp={ctx.dp_size} "
-        f"pp={ctx.pp_size} {t.precision}: set train.optimizer=auto (DeepSpeed here) or deepspeed"
-    )
+    return layout_refusal(cfg.train.precision, ctx.dp_size, ctx.pp_size)
 
 
 def _fused_on(device: torch.device) -> bool:
