@@ -97,7 +97,7 @@ M30K_CUDA_CHECK = @$(PY) -c "import sys, torch; torch.cuda.is_available() or sys
 	set M30K_GPUS=0 to train on the CPU')"
 M30K_LAYOUT := $(if $(M30K_ON_GPU),--nproc 1 --set parallel.device=cuda --set data.max_tokens=3072 --set data.num_workers=2,--nproc 2)
 
-.PHONY: install lint test check demo multi30k clean
+.PHONY: install lint test check fake-cuda demo multi30k clean
 
 install: $(VENV)/.installed
 
@@ -130,6 +130,26 @@ CHECK_TESTS := test_house test_config test_layout test_batching test_rng test_mo
 	test_cli_outputs test_protect_inputs test_checkpoint
 check: install lint
 	$(PY) -m pytest -q -x $(foreach t,$(CHECK_TESTS),tests/$(t).py)
+
+# make fake-cuda: tests/test_fake_cuda.py (skipped by `make test`) in CUDA_VENV, with the CUDA build of the same
+# torch and megaformer: its step, validation, decoding and checkpoints with tensors on cuda:0 in name only (no GPU or
+# driver needed), failing on a CPU tensor mixed in. The first install downloads ~4.7 GB (pip's cache keeps it); pip
+# runs --isolated, as this machine's pip config prefers the local CPU wheel.
+CUDA_VENV ?= .venv-cuda
+CUDA_PIP = $(CUDA_VENV)/bin/pip install --isolated --quiet --disable-pip-version-check $(addprefix --cert ,$(wildcard /etc/ssl/certs/ca-certificates.crt))
+# What the test imports of setup.py's install_requires (not DeepSpeed or tensorboard), and pytest.
+CUDA_DEPS := numpy "sentencepiece>=0.2" "sacrebleu>=2.4" "pyyaml>=6" "webdataset>=0.2.90" "pytest>=8"
+
+$(CUDA_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_PIP) $(TORCH_SPEC)
+	$(CUDA_PIP) --no-deps -e .
+	$(CUDA_PIP) $(CUDA_DEPS)
+	$(CUDA_VENV)/bin/python -c "import torch; torch.version.cuda or exit('$(CUDA_VENV): torch ' + torch.__version__ + ' has no CUDA')"
+	touch $@
+
+fake-cuda: $(CUDA_VENV)/.installed
+	$(CUDA_VENV)/bin/python -m pytest -q tests/test_fake_cuda.py
 
 demo: install
 	$(PY) -m megaformer.commands.demo

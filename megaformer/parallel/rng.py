@@ -268,10 +268,15 @@ class DropoutRNG:
     def _one_kernel(self, x: torch.Tensor, split_dim: int | None) -> bool:
         """Whether the mask and its use are one operator (:func:`megaformer.parallel.fused.dropout`): off the
         CPU (whose eager form keeps the mask for the backward), outside a compiled graph (which fuses the
-        mask itself), for a mask of the tensor itself (not this rank's slice of a wider one's)."""
+        mask itself), for a mask of the tensor itself (not this rank's slice of a wider one's), with a key that is
+        an integer (a compiled layer's keys are tensors, also where Dynamo runs that layer eagerly)."""
         if x.device.type == "cpu" or torch.compiler.is_compiling() or not fused.enabled():
             return False
-        return not (self.stream_of(split_dim) == "shared" and split_dim is not None and self.tp.size > 1)
+        stream = self.stream_of(split_dim)
+        waiting = self.keys.get(stream) if self.keys is not None else None
+        if waiting and torch.is_tensor(waiting[0]):
+            return False
+        return not (stream == "shared" and split_dim is not None and self.tp.size > 1)
 
     def state_dict(self) -> dict[str, list[int]]:
         """[seed, keys drawn] of each stream: plain integers, the same on every device."""
