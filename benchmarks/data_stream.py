@@ -1,7 +1,7 @@
-"""Is the data stream fast enough, and does a batch ever wait? Stream rate, and waits at half that rate.
+"""Is the data stream fast enough for a GPU, and does a batch ever wait? Stream rate, waits and GIL cost at a GPU's pace.
 
     python benchmarks/data_stream.py [--data DIR] [--pairs 200000] [--workers 1] [--max-tokens 4096]
-        [--sort-buffer 100000] [--steps 3] [--verify-rounds N] [--json]
+        [--sort-buffer 100000] [--target-tokens-per-s N] [--steps 3] [--verify-rounds N] [--json]
 
 1. Stream: one epoch of ``TokenBatchStream`` over the training split of ``--data`` (a
    directory written by ``megaformer prepare``; without it a corpus of WMT'14 en-de's
@@ -9,24 +9,34 @@
    temporary directory) with ``--workers`` loader workers (default 1), timed from
    ``iter()`` (worker start included) to the last batch: target tokens (with eos) per
    second; the steady rate is that of the second epoch, read by the same workers.
-2. Waits: a consumer that takes the stream at half that steady rate (it holds each batch
-   for its target tokens / half the rate, as a step computing would) through one and a
-   half epochs: at least two sort-window boundaries and one epoch boundary, where the
-   next window must be read before its first batch. The time each ``next()`` blocked:
-   p50, p99 and max over every batch but the first (which waits for the workers to
-   start; reported apart), and at each window and epoch boundary.
+2. Waits at a GPU's pace: a consumer that takes the stream at ``--target-tokens-per-s``
+   (default: the ``target_tokens_per_s`` of ``benchmarks/gpu_sim.py --config
+   configs/transformer_big.yaml --gpu h200 --json``, transformer_big's simulated step on an
+   H200; 306,000, a 40 % MFU step there, when the simulation is missing or fails; the output
+   says which) through one and a half epochs: at least two sort-window boundaries and one epoch
+   boundary, where the next window must be read before its first batch. For each batch the
+   main thread *dispatches* for the step's time (its target tokens / the rate): it runs small
+   tensor operators in a loop, holding the GIL between them as an eager training step's
+   dispatch does, instead of sleeping. Reported: the time each ``next()`` blocked (p50, p99,
+   max and total over every batch but the first, which waits for the workers to start and is
+   reported apart; and at each window and epoch boundary), and the main thread's lost time: the
+   dispatch loop's operators per second with no stream running (measured in the same run, just
+   before and just after the paced epochs) against those it managed beside the stream, whose
+   threads (read-ahead, collation, the next epoch's plan) take the GIL from it; each step's
+   shortfall times its length, summed. On a machine with fewer cores than threads and workers,
+   core sharing counts as lost time too.
 3. Training: fp32 steps of the paper's base shape - ``torch.nn.Transformer`` (d_model
    512, 8 heads, d_ff 2048, 6 + 6 layers, dropout 0.1) with one shared 8000-word
    embedding scaled by sqrt(d) that is also the output projection, label smoothing
    0.1, AdamW - on a batch of 32 x 30 tokens each side; one warm-up step, then the
-   median of ``--steps`` steps: target tokens per second consumed.
+   median of ``--steps`` steps: target tokens per second consumed on this CPU.
 
 With ``--verify-rounds N``, N epochs each with and without the shards' sha256 check,
 alternating, give the cost of verification as a ratio of medians (``verify_rate_ratio``).
 
-The ratio stream / training should be at least 20 and no wait over 50 ms: the stream
-must not be what training waits for. Both are measured in the same run (the machine
-drifts between runs).
+The stream should keep up with the GPU's rate with no wait over 50 ms, and the ratio
+stream / CPU training should be at least 20: the stream must not be what training waits
+for. All are measured in the same run (the machine drifts between runs).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,13 +56,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaformer import cli
-from megaformer.cli_args import nonneg_int, positive_int
+from megaformer.cli_args import finite_float, nonneg_int, positive_int
 from megaformer.data.stream import TokenBatchStream
 from megaformer.errors import MegaformerError
 
 D_MODEL, HEADS, D_FF, LAYERS, VOCAB, BATCH, LENGTH = 512, 8, 2048, 6, 8000, 32, 30
 TARGET_RATIO = 20.0
 TARGET_WAIT_MS = 50.0
+ROOT = Path(__file__).resolve().parents[1]
+GPU_RATE = 306_000.0  # target tokens/s of a transformer_big step at 40 % MFU on an H200 (6 x 176M x tok/s = 0.4 x 989T)
+SIM_SECONDS = 180  # the most the simulation may take before GPU_RATE is used instead
+CALIBRATION_S = 2.0  # the dispatch loop alone, before and after the paced epochs
 
 
 def stream_tokens_per_second(
@@ -88,8 +103,74 @@ def stream_tokens_per_second(
     }
 
 
+def json_of(text: str) -> dict:
+    """The JSON object a script printed: all of its output (indented or not), or its last line."""
+    text = text.strip()
+    try:
+        return json.loads(text)
+    except ValueError:
+        return json.loads(text.splitlines()[-1] if text else "")
+
+
+def gpu_rate(target: float | None) -> tuple[float, str]:
+    """The consumer's target tokens/s and where it came from: ``--target-tokens-per-s``, else the simulated
+    transformer_big step on an H200 (``benchmarks/gpu_sim.py``), else :data:`GPU_RATE`."""
+    if target is not None:
+        return target, "--target-tokens-per-s"
+    sim = ROOT / "benchmarks" / "gpu_sim.py"
+    argv = [sys.executable, str(sim), "--config", str(ROOT / "configs" / "transformer_big.yaml"), "--gpu", "h200"]
+    why = "benchmarks/gpu_sim.py is missing"
+    if sim.is_file():
+        try:
+            done = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=SIM_SECONDS, cwd=ROOT)
+            if done.returncode != 0:
+                last = done.stderr.strip().splitlines()[-1:] or ["no message"]
+                raise RuntimeError(f"gpu_sim.py exited {done.returncode}: {last[0]}")
+            sim_result = json_of(done.stdout)
+            rate = float(sim_result["target_tokens_per_s"])
+            if not (math.isfinite(rate) and rate > 0):
+                raise RuntimeError(f"gpu_sim.py predicted {rate} target tokens/s")
+            mfu = sim_result.get("predicted_mfu")
+            said = f", predicted MFU {100 * float(mfu):.1f} %" if isinstance(mfu, (int, float)) else ""
+            return rate, f"gpu_sim.py (transformer_big on an H200{said})"
+        except subprocess.TimeoutExpired:
+            why = f"gpu_sim.py took over {SIM_SECONDS} s"
+        except RuntimeError as err:
+            why = str(err)
+        except (ValueError, KeyError, TypeError) as err:
+            why = f"gpu_sim.py printed no target_tokens_per_s ({type(err).__name__})"
+    return GPU_RATE, f"the fallback {GPU_RATE:,.0f}, a 40 % MFU transformer_big step on an H200 ({why})"
+
+
+class Dispatch:
+    """The host side of an eager training step: small tensor operators in a loop, each holding the GIL while Python
+    dispatches it (torch lets go of it inside the operator, as in a real step)."""
+
+    def __init__(self) -> None:
+        self.a, self.b = torch.rand(64), torch.rand(64)
+
+    def run(self, seconds: float) -> int:
+        """Dispatch for ``seconds``; the loop's rounds (3 operators each)."""
+        a, b = self.a, self.b
+        rounds = 0
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            c = torch.add(a, b)
+            c.mul_(0.5)
+            b = c.relu()
+            rounds += 1
+        return rounds
+
+    def alone(self, seconds: float = CALIBRATION_S) -> float:
+        """Rounds per second with nothing else running in this process."""
+        began = time.perf_counter()
+        rounds = self.run(seconds)
+        return rounds / (time.perf_counter() - began)
+
+
 def paced_waits(data: Path, workers: int, max_tokens: int, sort_buffer: int, rate: float) -> dict:
-    """Waits of a consumer taking ``rate`` target tokens/s through 1.5 epochs (>= 2 window, 1 epoch boundaries)."""
+    """Waits of a consumer taking ``rate`` target tokens/s through 1.5 epochs (>= 2 window, 1 epoch boundaries),
+    its main thread dispatching for each step's time, and the dispatch it lost to the stream's threads."""
     stream = TokenBatchStream(
         data, "train", dp_rank=0, dp_size=1, max_tokens=max_tokens, num_workers=workers, sort_buffer=sort_buffer
     )
@@ -102,7 +183,9 @@ def paced_waits(data: Path, workers: int, max_tokens: int, sort_buffer: int, rat
     end = (1, later[0] + 3) if later else (2, 3)
     if len(windows[0]) < 2 and not later:
         raise SystemExit(f"one sort window per epoch: lower --sort-buffer (now {sort_buffer}) to cross two")
-    waits, at_boundaries = [], []
+    dispatch = Dispatch()
+    alone_before = dispatch.alone()
+    waits, at_boundaries, steps = [], [], []  # steps: (seconds dispatched, rounds done)
     batches = iter(stream)
     first_ms = None
     while (stream.epoch, stream.position) < end:
@@ -116,17 +199,31 @@ def paced_waits(data: Path, workers: int, max_tokens: int, sort_buffer: int, rat
             waits.append(waited)
             if where in boundaries:
                 at_boundaries.append({"at": f"{boundaries[where]} (epoch {where[0]}, batch {where[1]})", "ms": waited})
-        time.sleep(batch.tgt_tokens / rate)  # the step that would compute on it
+        began = time.perf_counter()
+        rounds = dispatch.run(batch.tgt_tokens / rate)  # the step that would dispatch its kernels for this batch
+        steps.append((time.perf_counter() - began, rounds))
     batches.close()
+    alone_after = dispatch.alone()
+    alone = (alone_before + alone_after) / 2
+    dispatched = sum(seconds for seconds, _ in steps)
+    lost = [max(0.0, seconds - rounds / alone) for seconds, rounds in steps]  # each step's shortfall, in seconds
     ordered = sorted(waits)
     return {
         "wait_ms_p50": round(statistics.median(ordered), 3),
         "wait_ms_p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
         "wait_ms_max": round(ordered[-1], 3),
+        "wait_ms_total": round(sum(ordered), 1),
         "first_batch_ms": round(first_ms, 1),
         "paced_batches": len(waits) + 1,
         "boundaries": [{"at": b["at"], "ms": round(b["ms"], 3)} for b in at_boundaries],
         "consumer_tokens_per_s": round(rate, 1),
+        "dispatch_s": round(dispatched, 3),
+        "dispatch_rounds_per_s_alone": round(alone, 1),
+        "dispatch_rounds_per_s_alone_before_after": [round(alone_before, 1), round(alone_after, 1)],
+        "dispatch_rounds_per_s_with_stream": round(sum(r for _, r in steps) / dispatched, 1),
+        "dispatch_lost_ms_total": round(1000 * sum(lost), 1),
+        "dispatch_lost_share": round(sum(lost) / dispatched, 4),
+        "dispatch_lost_ms_max_step": round(1000 * max(lost), 3),
     }
 
 
@@ -203,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-tokens", type=positive_int, default=4096, help="tokens per batch and side (default: %(default)s)"
     )
+    parser.add_argument(
+        "--target-tokens-per-s",
+        type=finite_float(0.0, lo_open=True),
+        help="the consumer's pace (default: gpu_sim.py's transformer_big step on an H200, else 306,000)",
+    )
     parser.add_argument("--steps", type=positive_int, default=3, help="timed training steps (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -227,7 +329,8 @@ def _measure(args: argparse.Namespace) -> int:
             if cli.main([*argv, "--quiet"]) != 0:
                 return 1
         stream = stream_tokens_per_second(data, args.workers, args.max_tokens, args.sort_buffer, epochs=2)
-        paced = paced_waits(data, args.workers, args.max_tokens, args.sort_buffer, stream["steady_tokens_per_s"] / 2)
+        rate, source = gpu_rate(args.target_tokens_per_s)
+        paced = paced_waits(data, args.workers, args.max_tokens, args.sort_buffer, rate)
         cost = (
             verification_cost(data, args.workers, args.max_tokens, args.sort_buffer, args.verify_rounds)
             if args.verify_rounds
@@ -252,6 +355,7 @@ def _measure(args: argparse.Namespace) -> int:
                     "data": str(args.data or f"WMT'14-shaped corpus ({args.pairs} pairs)"),
                     "sort_buffer": args.sort_buffer,
                     **paced,
+                    "consumer_rate_source": source,
                     **cost,
                 }
             )
@@ -267,10 +371,18 @@ def _measure(args: argparse.Namespace) -> int:
             f"median step {train['step_s']:.2f}s)"
         )
         print(f"ratio:  {ratio:,.1f} (the stream should deliver at least {TARGET_RATIO:.0f}x what training consumes)")
+        print(f"pace:   {paced['consumer_tokens_per_s']:,.0f} target tokens/s, from {source}")
         print(
-            f"waits at half the steady rate ({paced['consumer_tokens_per_s']:,.0f} tokens/s, {paced['paced_batches']} "
-            f"batches): p50 {paced['wait_ms_p50']:.2f} ms, p99 {paced['wait_ms_p99']:.2f} ms, max "
-            f"{paced['wait_ms_max']:.2f} ms (target <= {TARGET_WAIT_MS:.0f}); first batch {paced['first_batch_ms']:.0f} ms"
+            f"waits at that pace ({paced['paced_batches']} batches, the main thread dispatching): p50 "
+            f"{paced['wait_ms_p50']:.2f} ms, p99 {paced['wait_ms_p99']:.2f} ms, max {paced['wait_ms_max']:.2f} ms "
+            f"(target <= {TARGET_WAIT_MS:.0f}), total {paced['wait_ms_total']:,.0f} ms; first batch "
+            f"{paced['first_batch_ms']:.0f} ms"
+        )
+        print(
+            f"dispatch: {paced['dispatch_lost_ms_total']:,.0f} ms of {paced['dispatch_s']:.1f} s lost beside the stream "
+            f"({100 * paced['dispatch_lost_share']:.1f} %; worst step {paced['dispatch_lost_ms_max_step']:.1f} ms): "
+            f"{paced['dispatch_rounds_per_s_with_stream']:,.0f} rounds/s against {paced['dispatch_rounds_per_s_alone']:,.0f} "
+            f"alone"
         )
         for b in paced["boundaries"]:
             print(f"        {b['at']}: {b['ms']:.2f} ms")
