@@ -8,8 +8,10 @@ width (:func:`megaformer.sim.calibrate.narrowest`: the config's depth, parameter
 micro-batches, tiny kernels), records both, and returns the operators DeepSpeed dispatches
 beyond the lean engine's, name by name: their count and host reads as measured, their bytes
 those of the narrow run scaled by the full model's parameters over the narrow one's (the
-operators DeepSpeed adds are per-parameter casts, sums and norms). The result is a model: it
-says so where it is printed.
+operators DeepSpeed adds are per-parameter casts, sums and norms), and the host time of its
+Python beyond them (hooks, per-parameter loops: the two steps' measured difference on one thread,
+less what its extra operators cost at the lean step's time per operator). The result is a model:
+it says so where it is printed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import collections
 import contextlib
 import dataclasses
 import os
+import statistics
+import time
+
+import torch
 
 from megaformer.config import Config
 from megaformer.parallel import DropoutRNG, ParallelContext
@@ -28,8 +34,8 @@ from megaformer.train.feed import MicroBatch
 from megaformer.train.step import accumulate
 
 
-def _narrow_ops(cfg: Config, ctx: ParallelContext, micro_batches: int, steps: int = 3) -> tuple[list[Op], int]:
-    """The operators of a steady step of ``cfg``'s engine, and the model's parameter count."""
+def _narrow_run(cfg: Config, ctx: ParallelContext, micro_batches: int, steps: int = 5) -> tuple[list[Op], float, int]:
+    """The operators of a steady step of ``cfg``'s engine, its median seconds on one thread, the parameter count."""
     from megaformer.train.engine import build_engine
 
     rng = DropoutRNG(cfg.train.seed, ctx.tp)
@@ -43,12 +49,24 @@ def _narrow_ops(cfg: Config, ctx: ParallelContext, micro_batches: int, steps: in
         with rng.fork(state):
             yield
 
+    def step() -> None:
+        accumulate(engine, micro, float(micro_batches * 8), cfg.train.label_smoothing, dropout_of)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for i in range(2 + steps):
+            began = time.perf_counter()
+            step()
+            if i >= 2:
+                times.append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
     recorder = OpRecorder("cpu")
-    for _ in range(steps):
-        recorder.ops.clear()
-        with recorder:
-            accumulate(engine, micro, float(micro_batches * 8), cfg.train.label_smoothing, dropout_of)
-    return recorder.ops, sum(p.numel() for p in model.parameters())
+    with recorder:
+        step()
+    return recorder.ops, statistics.median(times), sum(p.numel() for p in model.parameters())
 
 
 def deepspeed_extra(cfg: Config, micro_batches: int, full_parameters: int) -> list[Op]:
@@ -61,10 +79,10 @@ def deepspeed_extra(cfg: Config, micro_batches: int, full_parameters: int) -> li
         runs = {}
         for optimizer in ("deepspeed", "lean"):
             which = dataclasses.replace(small, train=dataclasses.replace(small.train, optimizer=optimizer))
-            runs[optimizer] = _narrow_ops(which, ctx, micro_batches)
+            runs[optimizer] = _narrow_run(which, ctx, micro_batches)
     finally:
         ctx.destroy()
-    (ds_ops, narrow_parameters), (lean_ops, _) = runs["deepspeed"], runs["lean"]
+    (ds_ops, ds_seconds, narrow_parameters), (lean_ops, lean_seconds, _) = runs["deepspeed"], runs["lean"]
     scale = full_parameters / narrow_parameters
     extra = collections.Counter(op.name for op in ds_ops) - collections.Counter(op.name for op in lean_ops)
     model: dict[str, Op] = {}
@@ -75,6 +93,10 @@ def deepspeed_extra(cfg: Config, micro_batches: int, full_parameters: int) -> li
             kernels = round(sum(o.kernels for o in same) / len(same))
             model[op.name] = Op(op.name, 0.0, nbytes, kernels, False, False, True, op.dtype, "deepspeed")
     ops = [model[name] for name, count in extra.items() for _ in range(count)]
+    # DeepSpeed's Python beyond its operators' dispatch (hooks, per-parameter loops): the measured difference of
+    # the two steps less what its extra operators cost at the lean step's time per operator
+    python = ds_seconds - lean_seconds - len(ops) * lean_seconds / len(lean_ops)
+    ops.append(Op("deepspeed python", 0.0, 0.0, 0, False, False, False, "", "deepspeed", max(0.0, python)))
     reads = sum(o.host_read for o in ds_ops) - sum(o.host_read for o in lean_ops)
     read = Op("_local_scalar_dense", 0.0, 0.0, 0, True, False, True, "", "deepspeed")
     return [o for o in ops if o.name != "_local_scalar_dense"] + [read] * max(0, reads)

@@ -73,6 +73,7 @@ class Op:
     on_device: bool  # run on the simulated device (False: host-side tensors, e.g. a batch being built)
     dtype: str  # the widest floating dtype among its tensors ("" if none)
     phase: str = ""  # the step's part it belongs to (forward, backward, optimizer, ...)
+    host_s: float = 0.0  # host time of its own beside the per-operator dispatch (modelled Python work)
 
 
 def _extent_bytes(t: torch.Tensor) -> int:

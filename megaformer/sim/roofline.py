@@ -49,7 +49,7 @@ class Device:
         return max(compute, memory, op.kernels * self.min_kernel_s)
 
     def host_seconds(self, op: Op) -> float:
-        return self.host_op_s + op.kernels * self.launch_s
+        return self.host_op_s + op.kernels * self.launch_s + op.host_s
 
 
 # The datasheets' dense figures (NVIDIA H200 and H100 SXM): bf16 989 TFLOP/s, TF32 494.7; HBM3e 4.8 TB/s,
