@@ -1,7 +1,9 @@
 """This CPU's constants for the step's price: its matmul peak, its memory bandwidth, its host time per operator.
 
-* the matmul peak: :func:`megaformer.train.metrics.measured_matmul_peak` (what the Trainer logs MFU against);
-* the bandwidth: an element-wise add of tensors of ``bandwidth_bytes`` each, bytes read and written per second;
+* each kernel of the step made again and timed at its own shapes, strides and dtypes: a CPU's small matmuls
+  run far below its peak, and its element-wise kernels below its bandwidth (a softmax over rows of 12 keys
+  took 8.6 ns an element on the 2-core EPYC: per-row work, not memory);
+* the bandwidth of an element-wise add at sizes from 48 KiB to 192 MiB, for a kernel that cannot be made again;
 * the host's time per operator: the real step (:func:`megaformer.sim.step.run_step`) of the config
   at the smallest width its heads allow (4 dimensions a head, a 128-piece vocabulary, micro-batches
   of 2 sentences of 4 tokens), on real CPU tensors and one thread, so that its kernels cost next to
@@ -13,20 +15,20 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 
 import torch
 
 from megaformer.config import Config
+from megaformer.sim.ops import Op, made_again
 from megaformer.sim.roofline import Device
 from megaformer.sim.step import MicroShape, run_step
 from megaformer.train.metrics import measured_matmul_peak
 
 
 def memory_bandwidth(nbytes: int = 8 << 20, repeats: int = 20) -> float:
-    """Bytes read and written per second by ``c = a + b`` on fp32 tensors of ``nbytes`` (the median of ``repeats``)."""
-    n = nbytes // 4
+    """Bytes read and written per second by ``c = a + b`` on fp32 tensors of ``nbytes`` (the quickest of ``repeats``)."""
+    n = max(1, nbytes // 4)
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
     torch.add(a, b, out=c)
     times = []
@@ -34,7 +36,42 @@ def memory_bandwidth(nbytes: int = 8 << 20, repeats: int = 20) -> float:
         began = time.perf_counter()
         torch.add(a, b, out=c)
         times.append(time.perf_counter() - began)
-    return 3 * nbytes / statistics.median(times)
+    return 3 * 4 * n / min(times)
+
+
+def bandwidth_by_size(largest: int = 64 << 20) -> tuple[tuple[int, float], ...]:
+    """(bytes moved, bytes/s) of an element-wise pass from 48 KiB to ``largest`` x 3, by factors of 4."""
+    sizes, size = [], 16 << 10
+    while size <= largest:
+        sizes.append(size)
+        size *= 4
+    return tuple((3 * size, memory_bandwidth(size, repeats=max(5, (64 << 20) // size))) for size in sizes)
+
+
+def op_seconds(ops: list[Op], repeats: int = 3, rounds: int = 2) -> dict[tuple, float]:
+    """Each distinct kernel of ``ops`` (operator and argument layouts) made again and timed on this CPU: the
+    quickest of ``repeats`` calls after an untimed one, in each of ``rounds`` sweeps over them all (a burst of
+    another process's work on the cores then spoils one sweep's figure, not the kernel's). An operator that
+    cannot be made again (its arguments' values matter) is left out, and the roofline prices it."""
+    calls: dict[tuple, tuple] = {}
+    for op in ops:
+        if op.signature and op.signature not in calls:
+            func, args, kwargs = op.signature
+            try:
+                made = (made_again(args), {k: made_again(v) for k, v in kwargs})
+                func(*made[0], **made[1])
+            except Exception:  # noqa: BLE001 - a value-dependent operator: priced by the roofline instead
+                continue
+            calls[op.signature] = (func, *made)
+    timed: dict[tuple, float] = {}
+    for _ in range(rounds):
+        for signature, (func, args, kwargs) in calls.items():
+            for _ in range(repeats):
+                began = time.perf_counter()
+                func(*args, **kwargs)
+                took = time.perf_counter() - began
+                timed[signature] = min(took, timed.get(signature, took))
+    return timed
 
 
 def narrowest(cfg: Config) -> Config:
@@ -57,17 +94,21 @@ def host_seconds_per_op(cfg: Config, micro_batches: int, steps: int = 5) -> floa
     return seconds / ops
 
 
-def cpu_device(cfg: Config, micro_batches: int, bandwidth_bytes: int = 8 << 20) -> Device:
-    """This CPU as a :class:`Device`: measured peaks and bandwidth, the host's time per operator, no overlap."""
+def cpu_device(cfg: Config, micro_batches: int, ops: list[Op] = ()) -> Device:
+    """This CPU as a :class:`Device`: the kernels of ``ops`` timed, its bandwidth by size, the host's time per
+    operator, no overlap (one thread dispatches and computes)."""
     low = measured_matmul_peak(torch.bfloat16) if cfg.train.precision == "bf16" else 0.0
+    by_size = bandwidth_by_size()
     return Device(
         "this CPU",
         peak_low=low or 1.0,
         peak_fp32=measured_matmul_peak(torch.float32),
-        bandwidth=memory_bandwidth(bandwidth_bytes),
-        gemm_efficiency=1.0,  # the peaks are measured, not a datasheet's
+        bandwidth=by_size[-1][1],
+        gemm_efficiency=1.0,  # measured figures, not a datasheet's
         memory_efficiency=1.0,
         min_kernel_s=0.0,
         host_op_s=host_seconds_per_op(cfg, micro_batches),
         overlap=False,
+        measured_seconds=op_seconds(list(ops)),
+        bandwidth_by_size=by_size,
     )

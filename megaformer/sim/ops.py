@@ -74,6 +74,7 @@ class Op:
     dtype: str  # the widest floating dtype among its tensors ("" if none)
     phase: str = ""  # the step's part it belongs to (forward, backward, optimizer, ...)
     host_s: float = 0.0  # host time of its own beside the per-operator dispatch (modelled Python work)
+    signature: tuple = ()  # (operator, its arguments with each tensor as a TensorSpec): to time it again on a CPU
 
 
 def _extent_bytes(t: torch.Tensor) -> int:
@@ -85,23 +86,57 @@ def _extent_bytes(t: torch.Tensor) -> int:
 
 
 def _tensors(tree) -> list[torch.Tensor]:
-    found = []
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-    return found
+    """The tensors in ``tree`` (nested lists, tuples, dicts), in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    if isinstance(tree, dict):
+        return [t for item in tree.values() for t in _tensors(item)]
+    return []
 
 
-def _foreach_kernels(name: str, args: tuple) -> int:
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor argument by its layout: what :func:`megaformer.sim.calibrate.op_seconds` makes again to time it."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+    def make(self) -> torch.Tensor:
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+        return t.uniform_() if t.is_floating_point() else t.zero_()  # integer indices 0: valid for any gather
+
+
+def _spec(tree):
+    """``tree`` with each tensor replaced by its :class:`TensorSpec`, lists by tuples (hashable)."""
+    if isinstance(tree, torch.Tensor):
+        return TensorSpec(tuple(tree.shape), tuple(tree.stride()), tree.dtype)
+    if isinstance(tree, (list, tuple)):
+        return tuple(_spec(item) for item in tree)
+    if isinstance(tree, dict):
+        return tuple(sorted((key, _spec(value)) for key, value in tree.items()))
+    return tree
+
+
+def made_again(tree):
+    """The arguments :func:`_spec` described, with new tensors (lists as lists, keyword pairs as a dict)."""
+    if isinstance(tree, TensorSpec):
+        return tree.make()
+    if isinstance(tree, tuple):
+        return [made_again(item) for item in tree]
+    return tree
+
+
+def _foreach_kernels(name: str, args: tuple, device: str) -> int:
+    """Launches of a foreach or fused optimizer operator: CUDA's multi_tensor_apply groups its tensors; a CPU
+    runs a foreach operator as one operator per tensor (its fused Adam as one)."""
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
     if not lists:
         return 1
+    if device == "cpu":
+        return 1 if name.startswith("_fused") else len(lists[0])
     tensors, elements = len(lists[0]), sum(t.numel() for t in lists[0])
     per_launch = _MTA_TENSORS.get(len(lists), 30)
     return max(math.ceil(tensors / per_launch), math.ceil(elements / _MTA_ELEMENTS), 1)
@@ -121,9 +156,10 @@ class OpRecorder(TorchDispatchMode):
     host's. ``phase`` is set by the caller around each part of the step.
     """
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, signatures: bool = False) -> None:
         super().__init__()
         self.device = device
+        self.signatures = signatures  # keep each kernel's operator and arguments (to time it again on a CPU)
         self.ops: list[Op] = []
         self.phase = ""
 
@@ -132,7 +168,8 @@ class OpRecorder(TorchDispatchMode):
         out = self._read_meta(func, args, kwargs)
         if out is None:
             out = func(*args, **kwargs)
-        self.ops.append(self.describe(func, args, kwargs, out))
+        if func.namespace != "prim":  # a fake tensor's ``.device`` is dispatched (prim.device); a real one's is not
+            self.ops.append(self.describe(func, args, kwargs, out))
         return out
 
     def _read_meta(self, func, args: tuple, kwargs: dict):
@@ -161,15 +198,18 @@ class OpRecorder(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
-        if name in NO_KERNEL or not on_device:
+        if name in NO_KERNEL or not on_device or not (outputs or name.endswith("_")):  # no tensor made or changed
             kernels, nbytes = 0, 0
         elif name in GATHERS:  # reads only the rows or elements it gathers: as many as it writes, and the indices
             kernels = 1
             nbytes = sum(2 * _extent_bytes(t) for t in outputs) + sum(_extent_bytes(t) for t in inputs[1:])
         else:
-            kernels = _foreach_kernels(name, args) if name.startswith(("_foreach", "_fused")) else 1
+            kernels = _foreach_kernels(name, args, self.device) if name.startswith(("_foreach", "_fused")) else 1
             nbytes = sum(_extent_bytes(t) for t in tensors if t.device.type == self.device or name == "_to_copy")
-        return Op(name, flops, nbytes, kernels, host_read, name in GEMMS, on_device, _widest_float(tensors), self.phase)
+        gemm = name in GEMMS
+        signature = (func, _spec(args), _spec(kwargs)) if self.signatures and kernels else ()
+        dtype = _widest_float(tensors)
+        return Op(name, flops, nbytes, kernels, host_read, gemm, on_device, dtype, self.phase, 0.0, signature)
 
 
 class _FusedAttentionFn(torch.autograd.Function):

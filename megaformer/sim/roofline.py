@@ -15,7 +15,7 @@ On a CPU (``overlap=False``) they are one thread: the step is the sum of both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from megaformer.sim.ops import Op
 
@@ -36,6 +36,10 @@ class Device:
     launch_s: float = 0.0  # host time per kernel launch (CUDA's launch call), beside host_op_s
     host_op_s: float = 20e-6  # host time per dispatched operator
     overlap: bool = True  # host and device run side by side (False: one CPU thread does both)
+    # A CPU's own figures: each kernel's measured seconds by its signature, and (bytes, bytes/s) of an
+    # element-wise pass at growing sizes (its caches make small passes faster than its memory)
+    measured_seconds: dict = field(default_factory=dict, compare=False)
+    bandwidth_by_size: tuple = ()
 
     def with_host(self, host_op_s: float) -> Device:
         return replace(self, host_op_s=host_op_s)
@@ -43,13 +47,25 @@ class Device:
     def device_seconds(self, op: Op) -> float:
         if not op.kernels:
             return 0.0
+        if op.signature in self.measured_seconds:
+            return self.measured_seconds[op.signature]
         peak = self.peak_low if op.dtype in LOW_PRECISION else self.peak_fp32
         compute = op.flops / (peak * self.gemm_efficiency) if op.gemm else 0.0
-        memory = op.bytes / (self.bandwidth * self.memory_efficiency)
+        memory = op.bytes / (self._bandwidth(op.bytes) * self.memory_efficiency)
         return max(compute, memory, op.kernels * self.min_kernel_s)
 
+    def _bandwidth(self, nbytes: float) -> float:
+        """The bandwidth of a pass of ``nbytes``: that measured at the nearest size at or above it, else the last."""
+        for size, rate in self.bandwidth_by_size:
+            if nbytes <= size:
+                return rate
+        return self.bandwidth
+
     def host_seconds(self, op: Op) -> float:
-        return self.host_op_s + op.kernels * self.launch_s + op.host_s
+        """The host's time for ``op``: its dispatch (a CPU's foreach operator dispatches one per tensor), its
+        launches, its own modelled work."""
+        dispatches = op.kernels if not self.overlap and op.name.startswith("_foreach") else 1
+        return dispatches * self.host_op_s + op.kernels * self.launch_s + op.host_s
 
 
 # The datasheets' dense figures (NVIDIA H200 and H100 SXM): bf16 989 TFLOP/s, TF32 494.7; HBM3e 4.8 TB/s,
