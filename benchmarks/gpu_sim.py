@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -84,6 +85,8 @@ def predict_gpu(cfg: Config, gpu: str, length: int, engine: str = "lean", unfuse
         ops = record_step(cfg, shapes, "meta")
     modelled = ["SDPA as CUDA's fused kernel (its meta form)"]
     if engine == "deepspeed":
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)  # DeepSpeed's engine, in a world of this one process
         ops = with_deepspeed(ops, deepspeed_extra(cfg, len(shapes), model_info(cfg)["parameters"]))
         modelled.append("DeepSpeed's optimizer: its operators beyond the lean engine's, run at the narrowest width")
     cost = timeline(ops, device)

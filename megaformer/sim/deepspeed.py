@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import time
 
 import torch
@@ -69,10 +68,11 @@ def _narrow_run(cfg: Config, ctx: ParallelContext, micro_batches: int, steps: in
 
 
 def deepspeed_extra(cfg: Config, micro_batches: int, full_parameters: int) -> list[Op]:
-    """DeepSpeed's operators beyond the lean engine's in one step of ``cfg`` (see the module docstring)."""
+    """DeepSpeed's operators beyond the lean engine's in one step of ``cfg`` (see the module docstring).
+
+    Builds a one-process world in this process: DeepSpeed reads ``LOCAL_RANK`` from the environment, which the
+    caller sets (an entry point's business, as every launch variable)."""
     small = narrowest(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, backend="gloo")))
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
     ctx = ParallelContext.initialize(small.parallel, 0, 1, single_process_group=True)
     try:
         runs = {}
