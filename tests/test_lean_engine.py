@@ -86,7 +86,7 @@ def _context(tp: int = 1):
     from megaformer.parallel import ParallelContext
 
     torch.set_num_threads(1)
-    cfg = _config(f"parallel.tp={tp}")
+    cfg = _config(f"parallel.tp={tp}", "parallel.backend=gloo")
     return ParallelContext.initialize(cfg.parallel, int(os.environ["RANK"]), tp, single_process_group=True)
 
 
