@@ -12,7 +12,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import errno
 import getpass
 import hashlib
 import importlib
@@ -24,6 +23,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from megaformer.errors import MegaformerError
+from megaformer.files import PATH_ERRNOS, STATE_ERRNOS, path_refusal
 
 
 @dataclass(frozen=True)
@@ -166,16 +166,6 @@ def compile_cache_defaults(environ: dict[str, str] = os.environ, cpuinfo: str = 
     environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}", f"isa-{level}")
 
 
-# A file system's refusal, said in one line with what to change (a traceback says nothing more to a user).
-_WHAT_TO_DO = {
-    errno.ENOSPC: "free space there, or write to another place",
-    errno.EDQUOT: "free space in your quota, or write to another place",
-    errno.EROFS: "write to another place",
-    errno.EACCES: "make it accessible to this user, or use another path",
-    errno.EPERM: "make it accessible to this user, or use another path",
-}
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     host_memory_defaults()
@@ -201,11 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as err:  # after BrokenPipeError, one of them
-        if err.errno not in _WHAT_TO_DO:  # not the machine's state: a bug of ours, with its traceback
-            raise
-        out = getattr(args, "out", None)  # ENOSPC names no file: the command's output is where it wrote
-        where = f"{err.filename}: " if err.filename else f"writing {out}: " if out else ""
-        print(f"megaformer {command.name}: error: {where}{err.strerror}: {_WHAT_TO_DO[err.errno]}", file=sys.stderr)
+        if err.errno not in PATH_ERRNOS or not (err.filename or err.errno in STATE_ERRNOS):
+            raise  # not a path's or the machine's state (or a path error naming no path): a bug, with its traceback
+        out = getattr(args, "out", None) or getattr(args, "output", None)  # ENOSPC names no file: where it wrote
+        where = err.filename if err.filename else f"writing {out}" if out else "writing"
+        print(f"megaformer {command.name}: error: {path_refusal(where, err)}", file=sys.stderr)
         return 2
 
 

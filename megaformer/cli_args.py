@@ -3,7 +3,9 @@
 argparse calls each ``type=`` function on the option's text; an
 :class:`argparse.ArgumentTypeError` becomes ``megaformer CMD: error: argument --x: ...``
 on one line with status 2 (see :class:`megaformer.cli.Parser`), before any file is read
-or any process started. Nothing here writes: the checks only ``stat`` paths and list folders.
+or any process started. Nothing here writes: the checks ``stat`` paths, open or list inputs once, and make and
+remove a probe file where an output goes (so the file system itself says whether it takes new files). Every
+refusal of the file system names the path and its true cause (:func:`megaformer.files.path_refusal`).
 
 Rules: a count or size has its range (``positive_int``, ``nonneg_int``,
 ``int_range``); a float is finite and in its range (``finite_float``; ``nan`` and
@@ -23,12 +25,15 @@ replaces an empty folder or one the same command made, never anything else).
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from megaformer.errors import ConfigError
+from megaformer.errors import ConfigError, interval
+from megaformer.files import name_max, path_refusal
 
 Checked = Callable[[str], object]
 
@@ -82,69 +87,125 @@ def finite_float(
         low_bad = lo is not None and (value < lo or (lo_open and value == lo))
         high_bad = hi is not None and (value > hi or (hi_open and value == hi))
         if low_bad or high_bad:
-            left = "(" if lo_open else "["
-            right = ")" if hi_open else "]"
-            span = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
-            raise argparse.ArgumentTypeError(f"must be in {span}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be in {interval(lo, hi, lo_open, hi_open)}, got {text}")
         return value
 
     parse.__name__ = "number"
     return _tag(parse, "float")
 
 
+def _stat(text: str | Path) -> os.stat_result | None:
+    """``text``'s status (links followed), None where nothing is there; any other refusal in one line."""
+    try:
+        return os.stat(text)
+    except OSError as err:
+        if err.errno == errno.ENOENT:
+            return None
+        raise argparse.ArgumentTypeError(path_refusal(text, err)) from None
+
+
+def _readable(text: str, st: os.stat_result) -> None:
+    """Open (a file) or list (a folder) ``text`` once, as the command will: a refusal in one line."""
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            with os.scandir(text):
+                pass
+        else:
+            os.close(os.open(text, os.O_RDONLY | os.O_NONBLOCK))  # O_NONBLOCK: a FIFO does not wait for a writer
+    except OSError as err:
+        raise argparse.ArgumentTypeError(path_refusal(text, err)) from None
+
+
+def writable_here(folder: str | Path, shown: str | Path) -> None:
+    """Refuse (one line naming ``shown``) a ``folder`` in which no file can be created: a probe file is made and
+    removed at once, so the file system itself answers (read-only, permissions, /proc, a full inode table)."""
+    probe = Path(folder) / f".megaformer-probe-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return
+    except OSError as err:
+        raise argparse.ArgumentTypeError(path_refusal(shown, err, creating=True)) from None
+    os.unlink(probe)
+
+
+def _names_fit(text: str, missing: Path, folder: Path) -> None:
+    """Each component still to be created under ``folder`` fits the file system's name length."""
+    limit = name_max(folder)
+    for part in missing.relative_to(folder).parts:
+        if len(os.fsencode(part)) > limit:
+            raise argparse.ArgumentTypeError(path_refusal(text, OSError(errno.ENAMETOOLONG, "File name too long")))
+
+
 def existing_file(text: str) -> str:
     """A path that is a readable file now ("-" for stdin is accepted)."""
     if text == "-":
         return text
-    path = Path(text)
-    if not path.exists():
+    if (st := _stat(text)) is None:
         raise argparse.ArgumentTypeError(f"{text}: no such file")
-    if path.is_dir():
+    if stat.S_ISDIR(st.st_mode):
         raise argparse.ArgumentTypeError(f"{text}: is a directory, expected a file")
+    _readable(text, st)
     return text
 
 
 def existing_dir(text: str) -> str:
     """A path that is a directory now."""
-    path = Path(text)
-    if not path.exists():
+    if (st := _stat(text)) is None:
         raise argparse.ArgumentTypeError(f"{text}: no such directory")
-    if not path.is_dir():
+    if not stat.S_ISDIR(st.st_mode):
         raise argparse.ArgumentTypeError(f"{text}: is a file, expected a directory")
+    _readable(text, st)
     return text
 
 
 def existing_path(text: str) -> str:
     """A file or a directory that exists now (model file, step directory or run directory)."""
-    if not Path(text).exists():
+    if (st := _stat(text)) is None:
         raise argparse.ArgumentTypeError(f"{text}: no such file or directory")
+    _readable(text, st)
     return text
 
 
 def new_file(text: str) -> str:
-    """A file to write ("-" for stdout): not a directory, and its folder exists and is writable."""
+    """A file to write ("-" for stdout): not a directory, and its folder exists and takes new files."""
     if text == "-":
         return text
-    path = Path(text)
-    if path.is_dir():
+    st = _stat(text)
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise argparse.ArgumentTypeError(f"{text}: is a directory, expected a file name")
-    folder = path.parent
-    if not folder.is_dir():
+    folder = Path(text).parent
+    if (folder_st := _stat(folder)) is None:
         raise argparse.ArgumentTypeError(f"{text}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text}: folder {folder} is not writable")
+    if not stat.S_ISDIR(folder_st.st_mode):
+        raise argparse.ArgumentTypeError(f"{text}: {folder} is a file, not a directory")
+    if st is None:
+        _names_fit(text, Path(os.path.abspath(text)), Path(os.path.abspath(folder)))
+    writable_here(folder, text)
     return text
 
 
 def new_dir(text: str) -> str:
-    """A directory to create or fill: not an existing file; its parent may be created."""
-    path = Path(text)
-    if path.exists() and not path.is_dir():
+    """A directory to create or fill: not an existing file; its parent may be created, in a folder that takes
+    new files, with names the file system allows."""
+    st = _stat(text)
+    if st is not None and not stat.S_ISDIR(st.st_mode):
         raise argparse.ArgumentTypeError(f"{text}: is a file, expected a directory")
-    for parent in path.absolute().parents:  # the first existing ancestor must be a directory
-        if parent.exists():
-            if not parent.is_dir():
+    return new_path(text)
+
+
+def new_path(text: str) -> str:
+    """A file or directory to write (the command decides which): its folders may be created, in a folder that
+    takes new files, with names the file system allows."""
+    st = _stat(text)
+    path = Path(os.path.abspath(text))
+    ancestors = [path, *path.parents] if st is None or stat.S_ISDIR(st.st_mode) else list(path.parents)
+    for parent in ancestors:  # the first existing one must be a directory that takes new files
+        if (parent_st := _stat(parent)) is not None:
+            if not stat.S_ISDIR(parent_st.st_mode):
                 raise argparse.ArgumentTypeError(f"{text}: {parent} is a file, not a directory")
+            _names_fit(text, path, parent)
+            writable_here(parent, text)
             break
     return text
 
@@ -249,5 +310,6 @@ for _fn, _kind in (
     (existing_path, "path"),
     (new_file, "path"),
     (new_dir, "path"),
+    (new_path, "path"),
 ):
     _tag(_fn, _kind)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from megaformer.errors import ConfigError
+from megaformer.errors import ConfigError, interval
 from megaformer.files import atomic_write_text
 
 
@@ -213,7 +213,9 @@ def _apply(obj: Any, values: dict, prefix: str) -> None:
                 )
             _apply(current, value, key + ".")
         else:
-            setattr(obj, name, _convert(value, hints[name], key))  # no field is Optional: null is refused
+            setattr(obj, name, converted := _convert(value, hints[name], key))  # no field is Optional: null is refused
+            if (bounds := RANGES.get(tuple(key.split(".")))) and not isinstance(converted, bool):
+                _check_range(key, converted, bounds, shown=value)  # as typed: "1e309", not the inf it reads as
 
 
 def _parse_override(text: str) -> tuple[list[str], Any]:
@@ -367,16 +369,16 @@ def check_precision(train: TrainConfig) -> None:
         )
 
 
-def _check_range(key: str, value: float, bounds: tuple[float | None, float | None, bool, bool]) -> None:
-    """A finite value inside ``bounds``, or a ConfigError naming the key and the interval."""
+def _check_range(key: str, value: float, bounds: tuple[float | None, float | None, bool, bool], shown=None) -> None:
+    """A finite value inside ``bounds``, or a ConfigError naming the key, the value as given (``shown``), the interval."""
     lo, hi, lo_open, hi_open = bounds
+    value_as_given = value if shown is None else shown
     if not math.isfinite(value):
-        raise ConfigError(f"{key}={value}: must be a finite number")
+        raise ConfigError(f"{key}={value_as_given}: must be a finite number")
     if (lo is not None and (value < lo or (lo_open and value == lo))) or (
         hi is not None and (value > hi or (hi_open and value == hi))
     ):
-        span = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{')' if hi_open else ']'}"
-        raise ConfigError(f"{key}={value}: must be in {span}")
+        raise ConfigError(f"{key}={value_as_given}: must be in {interval(lo, hi, lo_open, hi_open)}")
 
 
 def validate(cfg: Config) -> None:

@@ -23,6 +23,13 @@ class TrainingError(MegaformerError):
     """A run that cannot go on (a non-finite loss or gradient norm); says at which step and why."""
 
 
+def interval(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    """The accepted values as an interval: an unbounded end is open (``[1, inf)``), as inf itself is refused."""
+    left = "(-inf" if lo is None else f"{'(' if lo_open else '['}{lo}"
+    right = "inf)" if hi is None else f"{hi}{')' if hi_open else ']'}"
+    return f"{left}, {right}"
+
+
 class MegaformerWarning(UserWarning):
     """Something the user should know that does not stop the command (samples left out, an emulated dtype).
 

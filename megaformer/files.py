@@ -3,10 +3,12 @@
 :func:`atomic_write_text` and :func:`atomic_torch_save` write through a temporary file in
 the same folder and a rename; :func:`atomic_output` does the same for a whole folder or a file written by others (the
 folder appears complete, or not at all). :func:`sha256_of` is the one checksum of a file.
+:func:`path_refusal` is the one place that says, in one line, why the file system refused a path.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -14,6 +16,70 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+# ---- a path the file system refused ------------------------------------------------------------
+
+# errno -> what it means for a path the user gave, and what to change. ENOENT, ENAMETOOLONG and ENOTDIR are said by
+# path_refusal itself (they depend on the path).
+_CAUSES = {
+    errno.EISDIR: "is a directory, expected a file",
+    errno.ELOOP: "a loop of symbolic links (too many levels to follow): point the link at a real file or directory",
+    errno.EEXIST: "already exists",
+}
+# errno -> what to change, after the system's own words (e.g. "Read-only file system: write to another place")
+_ADVICE = {
+    errno.EACCES: "make it accessible to this user, or use another path",
+    errno.EPERM: "make it accessible to this user, or use another path",
+    errno.EROFS: "write to another place",
+    errno.ENOSPC: "free space there, or write to another place",
+    errno.EDQUOT: "free space in your quota, or write to another place",
+}
+STATE_ERRNOS = frozenset(_ADVICE)
+"""The file system's state (space, permissions, read-only), not a name: said in one line even without a file name."""
+PATH_ERRNOS = STATE_ERRNOS | frozenset(_CAUSES) | {errno.ENOENT, errno.ENAMETOOLONG, errno.ENOTDIR}
+"""The errors a path (its name, its place, the file system it is on) causes, not the program: said in one line."""
+
+
+def name_max(path: str | Path) -> int:
+    """The longest file name (bytes a component) the file system at ``path``'s nearest existing folder allows."""
+    for folder in [Path(os.path.abspath(path)), *Path(os.path.abspath(path)).parents]:
+        try:
+            return os.pathconf(folder, "PC_NAME_MAX")
+        except (OSError, ValueError):
+            continue
+    return 255
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The first folder of ``path`` that exists and is not a directory (the cause of ENOTDIR)."""
+    for parent in reversed(Path(os.path.abspath(path)).parents):
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            return parent
+    return None
+
+
+def path_refusal(path: str | Path, err: OSError, creating: bool = False) -> str:
+    """``PATH: cause`` for an OSError that ``path`` caused, the true cause named (never a guess at another).
+
+    ``creating``: the error came from creating an entry in a folder that exists, where ENOENT means the file
+    system takes no new files (a special one such as /proc or /sys), not a missing name.
+    """
+    code = err.errno
+    if code == errno.ENAMETOOLONG:
+        cause = f"the name is longer than the file system allows ({name_max(path)} bytes a component)"
+    elif code == errno.ENOTDIR:
+        blocker = _file_in_the_way(Path(path))
+        cause = f"{blocker} is a file, not a directory" if blocker else "a part of the path is not a directory"
+    elif code == errno.ENOENT and creating:
+        cause = "the file system there takes no new files (a special file system such as /proc): write elsewhere"
+    elif code == errno.ENOENT:
+        cause = "no such file or directory"
+    elif code in _ADVICE:
+        cause = f"{err.strerror or os.strerror(code)}: {_ADVICE[code]}"
+    else:
+        cause = _CAUSES.get(code, err.strerror or str(err))
+    return f"{path}: {cause}"
+
 
 # ---- files -------------------------------------------------------------------------------------
 

@@ -268,6 +268,34 @@ def test_average_of_one_checkpoint_named_twice_is_refused(text_run, run, tmp_pat
     assert not (tmp_path / "avg.pt").exists()
 
 
+@pytest.mark.parametrize("form", ["safetensors", "pt", "symlink", "hardlink", "copy"])
+def test_average_of_one_checkpoint_under_two_names_is_refused(text_run, run, tmp_path, form):
+    """`--ckpt EXPORT STEP` with the export made from that step averaged "steps [800, 800]": the duplicate check
+    compared paths, not what they hold (an export's source step, a link, a copy of a model file)."""
+    import os
+    import shutil
+
+    step = text_run["run"] / "checkpoints" / "step-00000800"
+    if form in ("safetensors", "pt"):
+        other = tmp_path / f"exported.{form}"
+        code, _, err = run("export", "--ckpt", step, "--out", other)
+        assert code == 0, err
+        said = f"{other}: made from the same checkpoint as {step} (step 800"
+        pair = (step, other)
+    else:
+        other = tmp_path / "model-again.pt"
+        {"symlink": os.symlink, "hardlink": os.link, "copy": shutil.copyfile}[form](text_run["model"], other)
+        said = f"--ckpt {other}: " + ("holds the same bytes as" if form == "copy" else "given twice (as")
+        pair = (text_run["model"], other)
+    code, _, err = run("average", "--ckpt", *pair, "--out", tmp_path / "avg.pt")
+    assert_one_line_error(code, err, said)
+    assert not (tmp_path / "avg.pt").exists()
+    code, _, err = run(
+        "average", "--ckpt", text_run["run"] / "checkpoints" / "step-00000700", other, "--out", tmp_path / "avg.pt"
+    )
+    assert code == 0, err  # another step of the run with it: averaged
+
+
 def test_average_takes_checkpoints_that_differ_only_in_dropout(text_run, run, tmp_path):
     """A resume may change model.dropout (it changes how the weights train, not what they compute): such
     checkpoints average; another width is still refused, naming it."""

@@ -7,6 +7,7 @@ compute), vocabularies, tokenizers or parameter shapes are refused, naming both 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -52,6 +53,15 @@ def _check_finite(model: Consolidated, source: str) -> None:
             raise CheckpointError(f"{source}: parameter {name} holds NaN or inf")
 
 
+def _source_of(model: Consolidated) -> tuple[int, str] | None:
+    """The training checkpoint a model holds, as its meta records it: (step, step directory with links resolved);
+    None where none is recorded, or for an average (it holds several)."""
+    step, source = model.meta.get("step"), model.meta.get("source")
+    if not isinstance(step, int) or not isinstance(source, str) or not source or "averaged_from" in model.meta:
+        return None
+    return step, os.path.realpath(source)
+
+
 def average_checkpoints(
     paths: Sequence[str | Path],
     load: Callable[[str | Path], Consolidated],
@@ -71,11 +81,17 @@ def average_checkpoints(
     _check_finite(first, str(paths[0]))
     total = {name: t.double().clone() for name, t in first.model.items()}
     last, steps = first, [first.meta.get("step")]
+    sources = {_source_of(first): paths[0]}
     for path in paths[1:]:
         model = load(path)
         problems = _differences(first, model)
         if problems:
             raise CheckpointError(f"cannot average {paths[0]} with {path}: {'; '.join(problems)}")
+        if (source := _source_of(model)) is not None and (twin := sources.setdefault(source, path)) is not path:
+            raise CheckpointError(
+                f"{path}: made from the same checkpoint as {twin} (step {source[0]}, {source[1]}): it would weigh "
+                f"twice in the average; name each checkpoint once"
+            )
         _check_finite(model, str(path))
         for name, t in model.model.items():
             total[name] += t.double()

@@ -189,6 +189,8 @@ def resolve_checkpoint(path: str | Path, log: Log) -> Path:
     refuse_model_file(path)
     found = find_latest(path, log) if path.is_dir() else None
     if found is None:
+        if path.is_dir() and path.suffix in (".pt", ".safetensors"):  # a model file replaced by a folder: not missing
+            raise CheckpointError(f"{path}: is a directory, expected a model file; and it holds no checkpoint either")
         raise CheckpointError(f"{path}: no complete checkpoint found: expected {_WANTED}")
     return found
 

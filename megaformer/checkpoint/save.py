@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from megaformer.checkpoint.format import (
     write_best,
 )
 from megaformer.errors import CheckpointError
-from megaformer.files import atomic_torch_save, atomic_write_text, sha256_of
+from megaformer.files import PATH_ERRNOS, atomic_torch_save, atomic_write_text, path_refusal, sha256_of
 
 # ---- saving -------------------------------------------------------------------------------------
 
@@ -126,6 +127,11 @@ def _writing(tmp: Path) -> Iterator[None]:
         yield
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno in PATH_ERRNOS and err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(  # the true cause: a full disk is not the only one
+                f"{path_refusal(err.filename or tmp.parent, err)}: the checkpoint was not written; the earlier "
+                f"checkpoints are intact"
+            ) from None
         reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
         raise CheckpointError(
             f"{tmp.parent}: cannot write the checkpoint ({reason}): free space there or point --run-dir elsewhere; "

@@ -14,6 +14,7 @@ place (``save_consolidated``); an ``--out`` that is not NAME.pt, is or lies in a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from megaformer.config import from_dict
 from megaformer.decode.translate import open_model
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.export.write import made_by_export
+from megaformer.files import sha256_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +103,20 @@ def _check_out(out: Path, paths: list[Path], force: bool) -> None:
     refuse_to_replace("--out", out, force, made_by_export, "no megaformer model")
 
 
+def _refuse_twice(paths: list[Path]) -> None:
+    """Refuse a checkpoint named twice however it is named: the same file or folder (a symlink, a hard link, another
+    spelling), or a model file with the same bytes as another (a copy). An export of a step given with the step is
+    found once loaded, by its recorded source (:func:`megaformer.checkpoint.average_checkpoints`)."""
+    seen: dict[object, Path] = {}
+    for path in paths:
+        st = os.stat(path)
+        keys = [(st.st_dev, st.st_ino)] + ([sha256_of(path)] if path.is_file() else [])
+        for key, how in zip(keys, ("given twice", "holds the same bytes"), strict=False):
+            if (first := seen.setdefault(key, path)) is not path:
+                said = f"given twice (as {first} too)" if how == "given twice" else f"holds the same bytes as {first}"
+                raise ConfigError(f"--ckpt {path}: {said}: it would weigh twice in the average")
+
+
 def main(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         if STEP_DIR.match(Path(args.run_dir).name):
@@ -114,10 +130,7 @@ def main(args: argparse.Namespace) -> int:
         if args.last is not None:
             raise ConfigError("--last goes with --run-dir, not with --ckpt")
         paths = [Path(p) for p in args.ckpt]
-        seen: dict[Path, Path] = {}
-        for path in paths:
-            if (first := seen.setdefault(path.resolve(), path)) is not path:
-                raise ConfigError(f"--ckpt {path}: given twice (as {first} too): it would weigh twice in the average")
+        _refuse_twice(paths)
     _check_out(Path(args.out), paths, args.force)
     model = average_checkpoints(paths, load=lambda p: open_model(p, "average")[0])
     try:

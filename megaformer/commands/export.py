@@ -31,6 +31,7 @@ from pathlib import Path
 from megaformer.checkpoint.format import check_step_name
 from megaformer.cli_args import (
     existing_path,
+    new_path,
     overlap,
     refuse_checkpoint_names,
     refuse_output_over_inputs,
@@ -46,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="run directory, checkpoint step directory, model file or export",
     )
-    p.add_argument("--out", required=True, help="file (NAME.safetensors, NAME.pt) or directory to write")
+    p.add_argument("--out", type=new_path, required=True, help="file (NAME.safetensors, NAME.pt) or directory to write")
     p.add_argument(
         "--format",
         choices=FORMATS,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start this many local processes (gloo on a CPU) when not under torchrun/srun/deepspeed; 0 = one",
     )
     p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start --nproc processes even beyond 4 a core (refused otherwise; or set MEGAFORMER_OVERSUBSCRIBE=1)",
+    )
+    p.add_argument(
         "--check",
         action="store_true",
         help="check the config, the layout for --nproc processes, the data and the run directory (not held by "
@@ -90,12 +96,22 @@ def main(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from launcher.env import detect, slurm_job
-    from megaformer.train.launch import check_launch, check_step_plan, launch
+    from megaformer.train.launch import (
+        OVERSUBSCRIBE_ENV,
+        check_launch,
+        check_local_ranks,
+        check_run_dir,
+        check_step_plan,
+        launch,
+        usable_cores,
+    )
 
     cfg = load_config(args.config, args.overrides)
     run_dir = args.run_dir or str(Path("runs") / Path(args.config).stem)
-    if Path(run_dir).exists() and not Path(run_dir).is_dir():
-        raise ConfigError(f"--run-dir {run_dir}: is a file, expected a directory")
+    try:
+        new_dir(run_dir)  # --run-dir's checks, for the default run directory too
+    except argparse.ArgumentTypeError as err:
+        raise ConfigError(f"--run-dir {err}") from None
     info = detect()
     say = print if info.rank == 0 and not args.check else lambda line: None  # a check's ranks say it when they run
     resume = _resume_in(Path(run_dir), args.resume, say, slurm_job())
@@ -104,9 +120,13 @@ def _train(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--nproc {args.nproc} under {info.source}, which started {info.world_size} processes: drop --nproc"
         )
+    if info.source == "single":  # local ranks on this machine's cores (a node's, for a job's --check)
+        here = max(args.tasks_per_node) if args.tasks_per_node else world
+        check_local_ranks(here, usable_cores(), args.oversubscribe or os.environ.get(OVERSUBSCRIBE_ENV) == "1")
     if args.tasks_per_node is not None and not args.check:
         raise ConfigError("--tasks-per-node describes the nodes for --check, which it comes with: add --check")
     layout = check_launch(cfg, world, args.tasks_per_node)  # fail before any process starts
+    check_run_dir(run_dir)
     if (streams := _planned_streams(Path(run_dir), resume, layout.dp)) is not None:
         check_step_plan(cfg, streams)
     if args.check:

@@ -32,7 +32,7 @@ from megaformer.checkpoint import Consolidated
 from megaformer.config import Config, from_dict, to_dict
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.export import ExportError
-from megaformer.files import atomic_output, sha256_of
+from megaformer.files import atomic_output, path_refusal, sha256_of
 
 FORMAT = "megaformer-safetensors-v1"
 MANIFEST = "megaformer-export.json"
@@ -67,17 +67,14 @@ def staged_output(out: Path, force: bool, *, directory: bool) -> Iterator[Path]:
         staged = atomic_output(out, directory=directory, replace=True)
         tmp = staged.__enter__()
     except OSError as err:
-        raise ExportError(
-            f"{out}: cannot write there ({err.strerror or err}): choose a --out in a writable folder"
-        ) from None
+        raise ExportError(f"--out {path_refusal(err.filename or out, err, creating=True)}") from None
     try:
         with contextlib.ExitStack() as stack:
             stack.push(staged)
             yield tmp
-    except OSError as err:
+    except OSError as err:  # the true cause (a full disk is not the only one), with the file that met it
         raise ExportError(
-            f"{shown}: writing failed ({err.strerror or err}); nothing was replaced: free space there or choose "
-            f"another --out"
+            f"--out {path_refusal(err.filename or shown, err, creating=True)}; nothing was replaced"
         ) from None
 
 

@@ -8,8 +8,10 @@ directory's lock and trains alone or starts ``world`` local ranks (``launcher.lo
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import stat
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -93,6 +95,59 @@ def check_launch(cfg: Config, world: int, per_node: list[int] | None = None) -> 
         raise ConfigError(why)
     check_data(cfg)
     return layout
+
+
+RUN_FILES = ("metrics.jsonl", "config.yaml")  # what a run writes into its directory as files
+RUN_FOLDERS = ("checkpoints", "tensorboard")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """What the ranks will write into ``run_dir`` can be written: a file where a file goes, a folder where a folder
+    goes (a ``metrics.jsonl`` folder passed ``train --check``, then stopped every rank). The lock is the lock's."""
+    from megaformer.files import path_refusal
+
+    for name, folder in [(n, False) for n in RUN_FILES] + [(n, True) for n in RUN_FOLDERS]:
+        path = Path(run_dir) / name
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            raise ConfigError(f"--run-dir {run_dir}: {name}: cannot be written: {path_refusal(path, err)}") from None
+        if stat.S_ISDIR(st.st_mode) != folder:
+            err = OSError(errno.ENOTDIR if folder else errno.EISDIR, "")
+            why = f"{path}: is a file, expected a directory" if folder else path_refusal(path, err)
+            raise ConfigError(f"--run-dir {run_dir}: {name}: cannot be written: {why}: move it away")
+
+
+OVERSUBSCRIBE_FACTOR = 4
+"""Local ranks allowed per core the process may run on: more only spin and swap (64 ranks on 2 cores took minutes
+to start and trained nothing)."""
+OVERSUBSCRIBE_ENV = "MEGAFORMER_OVERSUBSCRIBE"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a container's or taskset's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_local_ranks(ranks: int, cores: int, allowed: bool) -> None:
+    """Refuse ``ranks`` local ranks beyond ``OVERSUBSCRIBE_FACTOR`` per core unless ``allowed`` (``--oversubscribe``).
+
+    The ranks share the cores' threads (``launcher.local`` gives each ``cores // ranks``, at least one), so ranks x
+    threads exceeds the cores x factor exactly when the ranks do.
+    """
+    if allowed or ranks <= cores * OVERSUBSCRIBE_FACTOR:
+        return
+    raise ConfigError(
+        f"--nproc: {ranks} processes on this machine's {cores} core{'s' * (cores != 1)} (at most "
+        f"{OVERSUBSCRIBE_FACTOR} a core, {cores * OVERSUBSCRIBE_FACTOR}): lower --nproc (a job over several nodes: "
+        f"say how many each runs with --tasks-per-node), or pass --oversubscribe (or set {OVERSUBSCRIBE_ENV}=1) "
+        f"to start them anyway"
+    )
 
 
 def check_step_plan(cfg: Config, streams: int) -> None:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megaformer.errors import ConfigError
+from megaformer.files import path_refusal
 
 LOCK_NAME = ".lock"
 REQUEUE_WAIT_S = 60.0  # how long a requeued job waits for its earlier incarnation's lock
@@ -84,9 +85,25 @@ class RunLock:
         self.log = log
         self._fd: int | None = None
 
+    def _refused(self, err: OSError, path: Path | None = None) -> ConfigError:
+        """The file system's refusal of the run directory or its lock, in one line (its true cause)."""
+        return ConfigError(f"--run-dir {self.path.parent}: {path_refusal(path or self.path, err)}")
+
+    def _open(self, flags: int) -> int:
+        """The lock file, opened as :meth:`acquire` opens it; a refusal (a directory there, a loop, ...) is one line."""
+        if os.path.isdir(self.path):  # O_RDONLY opens a directory: say so for a check as for the training
+            raise self._refused(OSError(errno.EISDIR, "Is a directory"))
+        try:
+            return os.open(self.path, flags, 0o644)
+        except OSError as err:
+            raise self._refused(err) from None
+
     def acquire(self, requeue_wait_s: float = REQUEUE_WAIT_S) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self._refused(err, self.path.parent) from None
+        fd = self._open(os.O_RDWR | os.O_CREAT)
         try:
             locked = self._flock(fd, requeue_wait_s)
             previous = read_holder(self.path)
@@ -144,13 +161,13 @@ class RunLock:
         for it and take the lock over. A record left by a holder that is gone says nothing
         while nobody holds the flock; without flock, the record is all there is.
         """
+        if not os.path.lexists(self.path):
+            return
+        fd = self._open(os.O_RDWR)  # as acquire opens it: a directory, a link loop or a read-only file is refused
         holder = read_holder(self.path)
         if holder is None or (self.me.slurm_job_id and holder.slurm_job_id == self.me.slurm_job_id):
+            os.close(fd)
             return
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as err:
-            raise ConfigError(f"{self.path}: cannot read the run directory's lock ({err.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared, for an instant: a writer's would fail
         except OSError as err:
