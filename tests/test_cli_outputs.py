@@ -296,6 +296,19 @@ def test_average_of_one_checkpoint_under_two_names_is_refused(text_run, run, tmp
     assert code == 0, err  # another step of the run with it: averaged
 
 
+def test_an_average_and_a_step_it_already_holds_are_refused(text_run, run, tmp_path):
+    """An averaged model holds each of its steps: averaging it again with one of them would weigh that step twice."""
+    steps = [text_run["run"] / "checkpoints" / f"step-{n:08d}" for n in (700, 800)]
+    code, _, err = run("average", "--ckpt", *steps, "--out", tmp_path / "avg.pt")
+    assert code == 0, err
+    for step in steps:
+        code, _, err = run("average", "--ckpt", tmp_path / "avg.pt", step, "--out", tmp_path / "again.pt")
+        assert_one_line_error(code, err, f"{step}: made from the same checkpoint as {tmp_path / 'avg.pt'}")
+        assert not (tmp_path / "again.pt").exists()
+    code, _, err = run("average", "--ckpt", tmp_path / "avg.pt", text_run["model"], "--out", tmp_path / "again.pt")
+    assert code == 0, err  # a model of another run with it: averaged
+
+
 def test_average_takes_checkpoints_that_differ_only_in_dropout(text_run, run, tmp_path):
     """A resume may change model.dropout (it changes how the weights train, not what they compute): such
     checkpoints average; another width is still refused, naming it."""

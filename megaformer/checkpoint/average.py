@@ -53,13 +53,16 @@ def _check_finite(model: Consolidated, source: str) -> None:
             raise CheckpointError(f"{source}: parameter {name} holds NaN or inf")
 
 
-def _source_of(model: Consolidated) -> tuple[int, str] | None:
-    """The training checkpoint a model holds, as its meta records it: (step, step directory with links resolved);
-    None where none is recorded, or for an average (it holds several)."""
+def _held(model: Consolidated) -> set[tuple[int, str]]:
+    """The training checkpoints a model holds, as its meta records them: (step, the run's checkpoints folder with
+    links resolved); an average holds each of its steps (taken to be of the run of its newest); empty where the
+    meta records none."""
     step, source = model.meta.get("step"), model.meta.get("source")
-    if not isinstance(step, int) or not isinstance(source, str) or not source or "averaged_from" in model.meta:
-        return None
-    return step, os.path.realpath(source)
+    if not isinstance(source, str) or not source:
+        return set()
+    folder = os.path.dirname(os.path.realpath(source))
+    steps = model.meta.get("averaged_steps") if "averaged_from" in model.meta else [step]
+    return {(s, folder) for s in steps or () if isinstance(s, int) and not isinstance(s, bool)}
 
 
 def average_checkpoints(
@@ -81,17 +84,18 @@ def average_checkpoints(
     _check_finite(first, str(paths[0]))
     total = {name: t.double().clone() for name, t in first.model.items()}
     last, steps = first, [first.meta.get("step")]
-    sources = {_source_of(first): paths[0]}
+    held = dict.fromkeys(_held(first), paths[0])
     for path in paths[1:]:
         model = load(path)
         problems = _differences(first, model)
         if problems:
             raise CheckpointError(f"cannot average {paths[0]} with {path}: {'; '.join(problems)}")
-        if (source := _source_of(model)) is not None and (twin := sources.setdefault(source, path)) is not path:
-            raise CheckpointError(
-                f"{path}: made from the same checkpoint as {twin} (step {source[0]}, {source[1]}): it would weigh "
-                f"twice in the average; name each checkpoint once"
-            )
+        for step, folder in sorted(_held(model)):
+            if (twin := held.setdefault((step, folder), path)) is not path:
+                raise CheckpointError(
+                    f"{path}: made from the same checkpoint as {twin} (step {step}, {folder}): it would weigh "
+                    f"twice in the average; name each checkpoint once (an average holds each of its steps)"
+                )
         _check_finite(model, str(path))
         for name, t in model.model.items():
             total[name] += t.double()
