@@ -22,7 +22,6 @@ threads: the quickest is the machine's own figure). It also predicts the one H20
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -37,7 +36,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from megaformer import cli  # noqa: E402
+from megaformer.cli_args import int_range, positive_int  # noqa: E402
 from megaformer.config import Config, load_config  # noqa: E402
+from megaformer.errors import MegaformerError  # noqa: E402
 from megaformer.info import model_info  # noqa: E402
 from megaformer.parallel import fused  # noqa: E402
 from megaformer.sim.calibrate import cpu_device, host_seconds_per_op  # noqa: E402
@@ -188,12 +189,12 @@ def cpu_flags() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_sim", description=__doc__.splitlines()[0])
+    p = cli.Parser(prog="gpu_sim", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "configs/transformer_big.yaml"))
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
-    p.add_argument("--len", type=int, default=27, help="tokens a sentence, each side, eos included (27)")
-    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--len", type=int_range(2, 1024), default=27, help="tokens a sentence, each side, eos included (27)")
+    p.add_argument("--top", type=positive_int, default=12)
     p.add_argument(
         "--engine", choices=["lean", "deepspeed"], default="lean", help="the optimizer path (lean: one GPU's)"
     )
@@ -201,14 +202,18 @@ def main(argv: list[str] | None = None) -> int:
         "--unfused", action="store_true", help="the dropout and loss as many eager kernels (the step before)"
     )
     p.add_argument("--validate", action="store_true", help="predict this CPU's measured steps (tiny, base)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.validate:
-        result = validate(args.steps)
-    else:
-        cfg = load_config(args.config, ["parallel.tp=1", *args.overrides])
-        result = predict_gpu(cfg, args.gpu, args.len, args.engine, args.unfused, args.top)
+    try:
+        if args.validate:
+            result = validate(args.steps)
+        else:
+            cfg = load_config(args.config, ["parallel.tp=1", *args.overrides])
+            result = predict_gpu(cfg, args.gpu, args.len, args.engine, args.unfused, args.top)
+    except MegaformerError as err:  # a config or data the step cannot be built from: one line
+        print(f"gpu_sim: error: {err}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=1) if args.json else _text(result))
     return 0
 

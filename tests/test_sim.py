@@ -90,3 +90,19 @@ def test_a_cpu_record_can_be_made_again_and_timed_kernel_by_kernel():
     timed = op_seconds(ops, repeats=1)
     assert len(timed) >= 0.95 * len(kernels)  # the few left are priced by the roofline
     assert all(seconds > 0 for seconds in timed.values())
+
+
+def test_gpu_sim_refuses_bad_input_in_one_line(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_sim.py"
+    spec = importlib.util.spec_from_file_location("gpu_sim", path)
+    gpu_sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_sim)
+    for argv, said in ((["--len", "0"], "argument --len: must be at least 2"), (["--gpu", "h300"], "argument --gpu")):
+        with pytest.raises(SystemExit) as code:
+            gpu_sim.main(argv)
+        assert code.value.code == 2 and said in capsys.readouterr().err
+    assert gpu_sim.main(["--config", "no-such.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == "gpu_sim: error: config file not found: no-such.yaml"
