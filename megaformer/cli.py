@@ -67,6 +67,14 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         "env", "megaformer.commands.env", "the launch environment megaformer resolved: rank, nodes, master, device"
     ),
+    Command(
+        "multi30k", "megaformer.commands.multi30k", "the Multi30k recipe: prepare, train for minutes, average, score"
+    ),
+    Command(
+        "wmt14",
+        "megaformer.commands.wmt14",
+        "the WMT'14 en-de recipe: prepare from the downloads, train, average, score",
+    ),
 )
 
 

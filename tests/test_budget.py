@@ -3,21 +3,18 @@
 Unit checks of :mod:`megaformer.train.budget` and the fitted schedule against the paper's
 formula, then a tiny two-process run with a time budget: the warm-up it logs is the
 configured share of the steps it reached, its lr follows the fitted schedule, and a resume
-after the warm-up keeps the fitted one. Last, the machine ``make multi30k`` trains on: a GPU
-when nvidia-smi lists one, two CPU ranks otherwise.
+after the warm-up keeps the fitted one. The choices of ``make multi30k`` are tested in
+tests/test_multi30k_recipe.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import ROOT, common, losses, ok, train
+from train_helpers import common, losses, ok, train
 
 from megaformer.config import load_config
 from megaformer.errors import ConfigError
@@ -159,104 +156,3 @@ def test_a_time_bounded_run_warms_up_over_its_share_and_a_resume_keeps_it(corpus
     assert max(resumed) == 121  # 15 s: spent by step 120, seen by 121
     for step in range(last + 1, max(resumed) + 1):
         assert resumed[step]["lr"] == pytest.approx(fitted_lr(step + 1, 64, 100000, 2.0, warmup), rel=1e-9), step
-
-
-def _multi30k_data(folder: Path, tests: dict[str, str] | None = None) -> Path:
-    """A DATA folder for ``make -n multi30k``: empty files of each test set, NAME -> suffix ('' or '.gz')."""
-    folder.mkdir(exist_ok=True)
-    for name, suffix in (tests or {"test_2016_flickr": ".gz"}).items():
-        for lang in ("en", "de"):
-            (folder / f"{name}.{lang}{suffix}").write_bytes(b"")
-    return folder
-
-
-def _make_n(data: Path, *settings: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``make -n multi30k DATA=data settings...`` (nothing runs): the commands make would run, or its refusal."""
-    argv = ["make", "-n", "multi30k", f"DATA={data}", *settings]
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-
-
-def _make_multi30k(env: dict, data: Path, *settings: str) -> str:
-    """The train command ``make multi30k`` would run, with ``settings`` and ``env`` (``make -n``: nothing runs)."""
-    proc = _make_n(data, *settings, env=env)
-    assert proc.returncode == 0, proc.stderr
-    (line,) = [cmd for cmd in proc.stdout.replace("\\\n", " ").splitlines() if "megaformer.cli train" in cmd]
-    return " ".join(line.split())
-
-
-def _peak_lr(command: str) -> float:
-    """The lr at the end of the warm-up that a make multi30k train command configures (d_model 256)."""
-    warmup = int(re.search(r"train\.warmup_steps=(\d+)", command)[1])
-    return inverse_sqrt_lr(warmup, 256, warmup, float(re.search(r"train\.lr_scale=([\d.]+)", command)[1]))
-
-
-def test_make_multi30k_trains_on_a_listed_gpu_and_on_the_cpu_otherwise(tmp_path):
-    fake = tmp_path / "bin" / "nvidia-smi"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\necho "GPU 0: NVIDIA H200 (UUID: GPU-00000000)"\n')
-    fake.chmod(0o755)
-    data = _multi30k_data(tmp_path / "data")
-    gpu = _make_multi30k({**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ['PATH']}"}, data, "MINUTES=5")
-    assert "--nproc 1 --set parallel.device=cuda --set data.max_tokens=3072" in gpu, gpu
-    assert "train.precision=bf16 --set train.zero_stage=1" in gpu and "model.dropout=0.25" in gpu, gpu
-    assert "--run-dir runs/multi30k/run-5m" in gpu, gpu
-    cpu = _make_multi30k(dict(os.environ), data, "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=fp32")
-    assert "--nproc 2" in cpu and "parallel.device" not in cpu, cpu
-    assert "train.precision=fp32 --set train.zero_stage=0" in cpu and "model.dropout=0.1 " in cpu, cpu
-    # ~675 steps of 3,000 tokens expected: the short recipe (steps of 1,000 tokens, pre-LN, peak lr 2.2e-3)
-    assert "train.tokens_per_step=1000 --set train.lr_scale=0.704 --set train.warmup_steps=400" in cpu, cpu
-    assert "model.norm=pre " in cpu and "model.norm=post " in gpu, (cpu, gpu)
-    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in gpu, gpu
-    assert "train.cooldown_fraction=0 " in gpu and "train.cooldown_fraction=0 " in cpu, (gpu, cpu)
-    hour = _make_multi30k(dict(os.environ), data, "M30K_GPUS=0", "M30K_PRECISION=fp32")
-    # ~2,700 steps of 3,000 tokens expected: steps of 1,000, pre-LN, warmed up over up to 1,000 updates to 2.2e-3
-    assert "train.tokens_per_step=1000 --set train.lr_scale=1.1132 --set train.warmup_steps=1000" in hour, hour
-    assert "train.max_minutes=60" in hour, hour
-    assert _peak_lr(hour) == pytest.approx(2.2e-3, rel=1e-3) and _peak_lr(cpu) == pytest.approx(2.2e-3, rel=1e-3)
-    assert "model.dropout=0.15 " in hour and "train.cooldown_fraction=0 " in hour and "model.norm=pre " in hour, hour
-    bf16_hour = _make_multi30k(dict(os.environ), data, "M30K_GPUS=0", "M30K_PRECISION=bf16")
-    assert "train.tokens_per_step=3000 --set train.lr_scale=0.512 --set train.warmup_steps=400" in bf16_hour, bf16_hour
-    assert "model.dropout=0.25 " in bf16_hour and "train.cooldown_fraction=0 " in bf16_hour, bf16_hour
-    assert "model.norm=post " in bf16_hour, bf16_hour
-    # ~1,900 bf16 steps expected in 15 minutes: a peak of 2.4e-3 and the lr ramped to 0 over the last 30 % of the time
-    bf16_short = _make_multi30k(dict(os.environ), data, "MINUTES=15", "M30K_GPUS=0", "M30K_PRECISION=bf16")
-    assert "train.tokens_per_step=3000 --set train.lr_scale=0.768 --set train.warmup_steps=400" in bf16_short, (
-        bf16_short
-    )
-    assert "train.cooldown_fraction=0.3 " in bf16_short and "model.dropout=0.15 " in bf16_short, bf16_short
-    assert "model.norm=post " in bf16_short, bf16_short
-    assert _peak_lr(bf16_short) == pytest.approx(2.4e-3, rel=1e-3), bf16_short
-
-
-def test_make_multi30k_scores_each_named_test_set_and_refuses_a_missing_one_before_training(tmp_path):
-    """TESTS: each set is scored from DATA, plain or gzip, into its own hypotheses; a missing one, or one both
-    plain and gzip, stops make first."""
-    data = _multi30k_data(tmp_path, {"test_2016_flickr": ".gz", "test_2017_mscoco": ""})
-    tests = "TESTS=test_2016_flickr test_2017_mscoco"
-    proc = _make_n(data, tests, "MINUTES=15", "M30K_GPUS=0")
-    assert proc.returncode == 0, proc.stderr
-    commands = " ".join(proc.stdout.replace("\\\n", " ").split())
-    assert f"--test {data}/test_2016_flickr " in commands, commands
-    for name, suffix in (("test_2016_flickr", ".gz"), ("test_2017_mscoco", "")):
-        assert (
-            f"--input {data}/{name}.en{suffix} --ref {data}/{name}.de{suffix} --output runs/multi30k/{name}-15m.hyp"
-        ) in commands, commands
-    missing = _make_n(data, "TESTS=test_2016_flickr test_2018_flickr")
-    assert missing.returncode != 0 and "megaformer.cli" not in missing.stdout, missing.stdout
-    assert "has no test_2018_flickr.en test_2018_flickr.de" in missing.stderr, missing.stderr
-    (data / "test_2017_mscoco.de.gz").write_bytes(b"")  # both plain and gzip: which one is meant?
-    both = _make_n(data, tests)
-    assert both.returncode != 0 and "megaformer.cli" not in both.stdout, both.stdout
-    assert "has test_2017_mscoco.de both plain and .gz" in both.stderr, both.stderr
-    nowhere = _make_n(tmp_path / "nowhere")
-    assert nowhere.returncode != 0 and "megaformer.cli" not in nowhere.stdout, nowhere.stdout
-    assert f"DATA={tmp_path / 'nowhere'}: no such folder" in nowhere.stderr, nowhere.stderr
-
-
-@pytest.mark.parametrize("minutes", ["abc", "", "0", "-5"])
-def test_make_multi30k_refuses_minutes_that_are_not_a_positive_number_before_anything_runs(tmp_path, minutes):
-    """MINUTES=abc read as 0 by awk trained without a time limit (0 is none); "" gave awk syntax errors."""
-    proc = _make_n(_multi30k_data(tmp_path), f"MINUTES={minutes}", "M30K_GPUS=0")
-    assert proc.returncode != 0 and "megaformer.cli" not in proc.stdout, proc.stdout
-    assert f"MINUTES={minutes}: the training minutes, a number above 0" in proc.stderr, proc.stderr
-    assert "awk" not in proc.stderr, proc.stderr
