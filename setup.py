@@ -14,6 +14,7 @@ setup(
         "webdataset>=0.2.90",
         "sentencepiece>=0.2",
         "sacrebleu>=2.4",
+        "sacremoses>=0.2",
         "tensorboard>=2.14",
         "pyyaml>=6",
         "numpy",

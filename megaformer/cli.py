@@ -62,7 +62,11 @@ COMMANDS: tuple[Command, ...] = (
         "write the model as safetensors, Hugging Face MarianMT or CTranslate2",
     ),
     Command("translate", "megaformer.commands.translate", "translate raw text with a checkpoint or model file"),
-    Command("evaluate", "megaformer.commands.evaluate", "translate a test set and score it (BLEU, chrF)"),
+    Command(
+        "evaluate",
+        "megaformer.commands.evaluate",
+        "translate a test set and score it, or score --hyp: sacreBLEU, chrF, the paper's tokenized BLEU",
+    ),
     Command("average", "megaformer.commands.average", "average the parameters of several checkpoints"),
     Command(
         "env", "megaformer.commands.env", "the launch environment megaformer resolved: rank, nodes, master, device"

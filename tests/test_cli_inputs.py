@@ -130,19 +130,13 @@ DOMAIN = [
         "--micro-batches 9 is more than the --batch 4",
     ),
     # accepted and ignored before: no pipeline to cut the batch for, no TP ranks to split the sequence over
-    (
-        ("parity", "--config", "{tiny}", "--tp", "2", "--micro-batches", "2"),
-        "--micro-batches cuts the batch for a pipeline",
-    ),
+    (("parity", "--config", "{tiny}", "--tp", "2", "--micro-batches", "2"), "--micro-batches cuts the batch for a"),
     (("parity", "--config", "{tiny}", "--pp", "2", "--sequence-parallel"), "--sequence-parallel splits the sequence"),
     # a FileNotFoundError from the cleaning step before; options --spm leaves unused were ignored
     (("prepare", "--train", "{file}", "--src", "xx", "--tgt", "xx", "--out", "{missing}"), "--src and --tgt are both"),
     (("prepare", "--train", "{file}", "--src", "de", "--out", "{missing}"), "--src and --tgt are both 'de'"),
     (("prepare", "--synthetic", "10", "--src", "de", "--out", "{missing}"), "--synthetic writes its corpus in its own"),
-    (
-        ("prepare", "--train", "{file}", "--spm", "{file}", "--vocab-size", "500", "--out", "{missing}"),
-        "--vocab-size shapes the sentencepiece model prepare trains, and --spm",
-    ),
+    (("prepare", "--train", "{file}", "--spm", "{file}", "--vocab-size", "500", "--out", "{missing}"), "shapes the"),
     (("train", "--config", "{tiny}", "--set", "parallel.pp=0"), "parallel.pp=0: must be in [1, inf)"),
     (("train", "--config", "{tiny}", "--check", "--tasks-per-node", "2x"), "argument --tasks-per-node: tasks per"),
     (("train", "--config", "{tiny}", "--check", "--tasks-per-node", "0(x2)"), "expected SLURM's form, e.g. 2(x3),1"),
@@ -158,6 +152,9 @@ DOMAIN = [
     (("inspect", "{dir}", "--max-tokens", "0"), "argument --max-tokens"),
     (("inspect", "{dir}", "--sort-buffer", "-1"), "argument --sort-buffer"),
     (("average", "--run-dir", "{dir}", "--last", "0", "--out", "{missing}"), "argument --last: must be at least 1"),
+    (("multi30k", "--dry-run", "--gpus", "-1"), "argument --gpus: must be at least 0"),
+    (("wmt14", "--raw", "{dir}", "--vocab-size", "5"), "argument --vocab-size: must be at least 100"),
+    (("wmt14", "--raw", "{dir}", "--nproc", "0"), "argument --nproc: must be at least 1"),
 ]
 
 PATHS = [
@@ -222,7 +219,7 @@ def test_standard_input_under_two_names_is_refused(paths):
 # ---- every option is checked ----------------------------------------------------------------------
 
 # Options whose value is a file or folder, by destination name.
-PATH_DESTS = {"ckpt", "out", "input", "output", "ref", "config", "run_dir", "resume", "spm", "dir"}
+PATH_DESTS = {"ckpt", "out", "input", "output", "ref", "hyp", "config", "run_dir", "resume", "spm", "dir"}
 # Commands owned elsewhere whose path checks come with their own change (export moves to megaformer/export/).
 PATHS_CHECKED_ELSEWHERE = {"export"}
 

@@ -135,12 +135,17 @@ def test_evaluate_prints_sacrebleu_with_its_signature(files, run, tmp_path):
     assert result["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
     assert result["sentences"] == 40 and result["settings"]["beam"] == 4
     assert len((tmp_path / "hyp.txt").read_text().split("\n")) == 41
+    # The paper's tokenized BLEU beside it; the model's data.tgt_lang is empty and "test.ref" names no language.
+    assert result["bleu_tokenized"] > 30
+    assert result["signature_tokenized"].startswith("nrefs:1|case:mixed|tok:moses-en|")
 
     code, out, _ = run(
         "evaluate", "--ckpt", files["model"], "--input", files["src"], "--ref", files["ref"], "--beam", 1, "--quiet"
     )
     assert code == 0
     assert out.startswith("BLEU|nrefs:1|") and "\nchrF2|nrefs:1|" in out
+    tokenized = out.splitlines()[3]
+    assert tokenized.startswith("tokenized compound-split BLEU = ") and "(Moses tokenizer -l en, ##AT##" in tokenized
 
 
 def test_evaluate_reads_gzip_test_sets_and_writes_gzip_hypotheses(files, run, tmp_path):

@@ -30,12 +30,15 @@ from megaformer.errors import ConfigError
 MAX_LEN_A, MAX_LEN_B = RANGES[("decode", "max_len_a")][1], RANGES[("decode", "max_len_b")][1]
 
 
-def add_search_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options shared by ``translate`` and ``evaluate``; unset ones come from the checkpoint's config."""
+def add_search_arguments(parser: argparse.ArgumentParser, ckpt_required: bool = True) -> None:
+    """Options shared by ``translate`` and ``evaluate``; unset ones come from the checkpoint's config.
+
+    ``ckpt_required=False``: the command checks ``--ckpt`` itself (``evaluate --hyp`` scores without a model).
+    """
     parser.add_argument(
         "--ckpt",
         type=existing_path,
-        required=True,
+        required=ckpt_required,
         help="model file, checkpoint step directory, or run directory (its newest complete checkpoint)",
     )
     parser.add_argument(
