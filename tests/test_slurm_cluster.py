@@ -329,3 +329,33 @@ def test_torchrun_across_nodes_usr1_requeues_and_ranks_die_with_it(cluster):
     # torchrun raised SignalException out of its main at the requeue: a traceback per node, status 1
     assert "Traceback" not in log and "torchrun: stopped by SIGUSR1" in log, log[-3000:]
     assert took < 150 and info["JobState"] in {"FAILED", "COMPLETED"}, log[-3000:]
+
+
+def test_make_wmt14_submits_through_train_big_and_scores_the_averaged_model(cluster):
+    """The WMT'14 recipe under SLURM: prepare from WMT-shaped archives, `sbatch --wait slurm/train_big.sh` (its GPU
+    request set to none: the test cluster has no GPUs), average and score; tiny shapes, DP=2 across the nodes."""
+    from wmt14_tree import build_wmt14_tree, make_wmt14
+
+    raw, work = build_wmt14_tree(cluster.work / "wmt14-raw"), cluster.work / "wmt14"
+    sbatch = "--nodes=2 --ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=1 --time=10"
+    env = {**cluster.env, "MEGAFORMER_TEST_FAULT": ""}
+    env.pop("RUN_DIR", None), env.pop("LAUNCHER", None)
+    proc = make_wmt14(
+        raw,
+        work,
+        "WMT14_LAUNCH=auto",  # the controller answers sinfo through the same wrapper: SLURM is taken
+        f"WMT14_SBATCH={CLUSTER} exec sbatch",
+        f"WMT14_SBATCH_ARGS={sbatch}",
+        "WMT14_AVERAGE=2",
+        env=env,
+        timeout=600,
+    )
+    (job_log,) = work.glob("train-*.out")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:] + job_log.read_text()[-3000:]
+    assert "through slurm/train_big.sh (sbatch --wait)" in proc.stdout and "slurm/train_big.sh --set" in proc.stdout
+    log = job_log.read_text()
+    assert "on 2 node(s)" in log and "tp=1 dp=2" in log, log[-3000:]
+    assert sorted(losses(work / "run"))[-1] == 40
+    assert "averaged 2 models" in proc.stdout + proc.stderr
+    assert re.search(r"^tokenized compound-split BLEU = \d+\.\d\d", proc.stdout, re.M), proc.stdout[-2000:]
+    assert len((work / "newstest2014.hyp").read_text().splitlines()) == 20

@@ -8,18 +8,16 @@ tests/test_slurm_cluster.py, which has the cluster.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from wmt14_tree import build_wmt14_tree, make_wmt14
 
 from megaformer.errors import ConfigError
 from megaformer.recipes.wmt14 import (
     DOWNLOADS,
-    ROOT,
     RecipeError,
     Wmt14,
     average_command,
@@ -30,23 +28,9 @@ from megaformer.recipes.wmt14 import (
     uses_slurm,
 )
 
-# Tiny shapes: the tiny model, 40 steps of 1,024 tokens with a save every 10 (the last 3 averaged), a
-# 300-piece vocabulary; what makes `make wmt14` fit a CPU's minutes.
-TINY_SETS = (
-    "train.max_steps=40 train.save_interval=10 train.keep_last=3 train.eval_interval=0 train.log_interval=10 "
-    "data.max_tokens=512 train.tokens_per_step=1024 data.num_workers=0 train.lr_scale=2.0 train.warmup_steps=30 "
-    "train.peak_tflops=0.1 parallel.backend=gloo"
-)
 
-
-def _make(raw: Path, work: Path, *variables: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``make wmt14`` with this interpreter's venv (``-o install``: the suite runs from an installed one)."""
-    venv = Path(sys.executable).parents[1]
-    argv = ["make", "-s", "-o", "install", "wmt14", f"RAW={raw}", f"WMT14_WORK={work}", f"VENV={venv}"]
-    argv += [f"PY={sys.executable}", "WMT14_CONFIG=configs/tiny.yaml", "WMT14_VOCAB=300", "WMT14_AVERAGE=3"]
-    argv += [f"WMT14_SET={TINY_SETS}", *variables]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=environ, timeout=900)
+def _make(raw: Path, work: Path, *variables: str) -> subprocess.CompletedProcess:
+    return make_wmt14(raw, work, *variables)
 
 
 def _said(proc: subprocess.CompletedProcess) -> str:
@@ -117,8 +101,6 @@ def test_make_wmt14_without_raw_or_downloads_is_one_line(tmp_path):
 
 
 def test_make_wmt14_end_to_end_on_a_wmt_shaped_tree(tmp_path):
-    from wmt14_tree import build_wmt14_tree
-
     raw = build_wmt14_tree(tmp_path / "raw")
     work = tmp_path / "work"
     proc = _make(raw, work, "WMT14_LAUNCH=local", "WMT14_NPROC=2")

@@ -1,9 +1,25 @@
 """``megaformer prepare``: parallel text -> cleaned pairs -> shared sentencepiece -> shards + manifest.
 
-    megaformer prepare --src en --tgt de --train PREFIX [--train PREFIX ...]
-        [--valid PREFIX] [--test PREFIX] --out DIR [--vocab-size N] [--spm MODEL] [--shard-size N]
+    megaformer prepare --src en --tgt de --train CORPUS [--train CORPUS ...]
+        [--valid CORPUS] [--test CORPUS] --out DIR [--vocab-size N] [--spm MODEL] [--shard-size N]
     megaformer prepare --synthetic N --out DIR        # the built-in corpus (data/synthetic.py)
     megaformer prepare --synthetic N --synthetic-shape wmt14 --out DIR   # WMT'14 en-de's shape (data/wmt_shaped.py)
+
+A CORPUS is one of (:mod:`megaformer.data.wmt`):
+
+* ``PREFIX``: text files ``PREFIX.<src>`` + ``PREFIX.<tgt>`` (plain or .gz), one sentence a
+  line; or, where no ``PREFIX.<src>`` exists, WMT's SGML pair ``PREFIX-src.<src>.sgm`` +
+  ``PREFIX-ref.<tgt>.sgm`` (``dev/newstest2013``, ``test-full/newstest2014-deen``);
+* ``ARCHIVE[:NAME]``: a WMT download as it is (``.tgz``, ``.tar.gz``, ``.tar``), read without
+  extracting it: its members ``*.<a>-<b>.<src>`` + ``*.<a>-<b>.<tgt>`` (the pair named either
+  way round, ``europarl-v7.de-en.en``) and SGML pairs, only those whose member path holds
+  NAME if given (``dev.tgz:newstest2013``). ``--train`` takes every pair it finds, each
+  counted as a corpus of its own; ``--valid`` and ``--test`` need exactly one.
+
+Several ``--train`` are concatenated in the order given; the manifest and the summary on
+stderr count read, kept and rejected pairs for each. Everything is checked that can be
+without reading a corpus through (files there, archives whole, pairs found) before
+anything is written, and any error leaves no ``DIR``.
 
 The options become one :class:`megaformer.data.prepare.PrepareSettings`, written by
 :func:`megaformer.data.prepare.prepare` (the steps are described there).
@@ -40,6 +56,7 @@ from megaformer.data.prepare import (
     prepare,
 )
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG
+from megaformer.data.wmt import input_path
 from megaformer.errors import DataError
 
 
@@ -59,11 +76,23 @@ def _add_input_arguments(data: argparse._ArgumentGroup, defaults: DataConfig) ->
         "--train",
         action="append",
         default=[],
-        metavar="PREFIX",
-        help="training corpus PREFIX.<src> / PREFIX.<tgt> (plain or .gz); repeat to concatenate corpora",
+        metavar="CORPUS",
+        help="training corpus: PREFIX for PREFIX.<src> + PREFIX.<tgt> (plain or .gz) or, if those are absent, WMT's "
+        "SGML pair PREFIX-src.<src>.sgm + PREFIX-ref.<tgt>.sgm; or ARCHIVE[:NAME], a .tgz/.tar.gz/.tar read in place "
+        "(every <src>-<tgt> pair in it: *.<src>-<tgt>.<lang> or *.<tgt>-<src>.<lang> members and SGML pairs, those "
+        "whose member path holds NAME if given); repeat to concatenate corpora",
     )
-    data.add_argument("--valid", metavar="PREFIX", help="validation corpus (every line kept)")
-    data.add_argument("--test", metavar="PREFIX", help="test corpus (every line kept)")
+    data.add_argument(
+        "--valid",
+        metavar="CORPUS",
+        help="validation corpus, one pair: PREFIX, SGML pair PREFIX or ARCHIVE[:NAME] as for --train "
+        "(e.g. dev.tgz:newstest2013; every line kept)",
+    )
+    data.add_argument(
+        "--test",
+        metavar="CORPUS",
+        help="test corpus, one pair, as --valid (e.g. test-full.tgz:newstest2014; every line kept)",
+    )
     data.add_argument(
         "--synthetic",
         type=positive_int,
@@ -167,8 +196,12 @@ def _add_filter_arguments(filt: argparse._ArgumentGroup, defaults: DataConfig) -
 
 def _check_out(out: Path, args: argparse.Namespace) -> None:
     """DIR holds no input (``--force`` would delete it) and is new, empty, or an earlier prepare's output."""
-    inputs = [("input --train", t) for t in args.train]
-    inputs += [("input --valid", args.valid), ("input --test", args.test), ("input --spm", args.spm)]
+    inputs = [("input --train", input_path(t)) for t in args.train]
+    inputs += [
+        ("input --valid", args.valid and input_path(args.valid)),
+        ("input --test", args.test and input_path(args.test)),
+    ]
+    inputs.append(("input --spm", args.spm))
     refuse_output_over_inputs("--out", out, inputs, "prepared data")
     refuse_to_replace(
         "--out", out, args.force, made_by_prepare, "no manifest.json of megaformer prepare", foreign_to_prepare
@@ -180,7 +213,7 @@ def settings_from_args(args: argparse.Namespace) -> PrepareSettings:
     if args.synthetic is not None and args.train:
         raise DataError("--synthetic generates its own corpus: do not also give --train")
     if args.synthetic is None and not args.train:
-        raise DataError("give at least one --train PREFIX (or --synthetic N for the built-in corpus)")
+        raise DataError("give at least one --train CORPUS (or --synthetic N for the built-in corpus)")
     if args.synthetic is None and args.synthetic_shape != "task":
         raise DataError(f"--synthetic-shape {args.synthetic_shape} shapes the corpus of --synthetic N: give it too")
     if args.bpe_copies > 1 and args.bpe_dropout == 0:

@@ -6,6 +6,11 @@ line *n* of the other. Both sides are read in step, as bytes split on ``\\n`` on
 that a stray carriage return or Unicode line separator inside a sentence cannot shift
 one side against the other.
 
+A corpus reads its two :class:`Side` s; :class:`FileSide` is a text file. WMT's archives
+(read in place) and SGML give sides of their own, read the same way
+(:mod:`megaformer.data.wmt`). Every side records two checksums: its file's, and that of
+its text as read (the same text gives the same one whatever held it).
+
 Filtering happens in two stages, because two of the tests need token counts:
 
 * text stage (:class:`TextFilter`, here): ``not_utf8``, ``empty``, ``duplicate``;
@@ -26,7 +31,7 @@ import hashlib
 import unicodedata
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,24 +108,36 @@ def not_text(first: bytes, path: Path) -> DataError | None:
     return None
 
 
-def read_lines(path: Path) -> Iterator[bytes]:
-    """The lines of a plain or gzip file as bytes, without the line ending.
+def text_lines(raw: Iterable[bytes], name: str | Path, digest: hashlib._Hash | None = None) -> Iterator[bytes]:
+    """The lines of ``raw`` (lines as read, each with its line end) without the line end, checked as text.
 
-    A file with no line at all is a DataError, as is a gzip file that is truncated or
-    not gzip, and one that is not UTF-8 text by its first line (:func:`not_text`): each
-    names the file.
+    A source with no line at all is a DataError, as is one that is not UTF-8 text by its
+    first line (:func:`not_text`); both name ``name``. ``digest``, if given, takes every
+    line as read plus ``\\n``: the checksum of the text itself, whatever its compression,
+    container or line ends.
+    """
+    empty = True
+    for line in raw:
+        if empty and (problem := not_text(line, Path(name))) is not None:
+            raise problem
+        empty = False
+        line = line.rstrip(b"\n").rstrip(b"\r")
+        if digest is not None:
+            digest.update(line + b"\n")
+        yield line
+    if empty:
+        raise DataError(f"{name}: file is empty")
+
+
+def read_lines(path: Path, digest: hashlib._Hash | None = None) -> Iterator[bytes]:
+    """The lines of a plain or gzip file as bytes, without the line ending (:func:`text_lines`).
+
+    A gzip file that is truncated or not gzip is a DataError naming the file.
     """
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            empty = True
-            for line in f:
-                if empty and (problem := not_text(line, path)) is not None:
-                    raise problem
-                empty = False
-                yield line.rstrip(b"\n").rstrip(b"\r")
-            if empty:
-                raise DataError(f"{path}: file is empty")
+            yield from text_lines(f, path, digest)
     except (OSError, EOFError, zlib.error) as err:
         raise DataError(f"{path}: cannot be read ({err.__class__.__name__}: {err})") from None
 
@@ -134,7 +151,7 @@ def _decode(line: bytes, number: int) -> str | None:
     return text[1:] if number == 1 and text.startswith("\ufeff") else text
 
 
-def utf8_error(line: bytes, path: Path, number: int) -> DataError:
+def utf8_error(line: bytes, path: str | Path, number: int) -> DataError:
     """The one-line error for a line that is not UTF-8: file, line, column and byte."""
     try:
         line.decode("utf-8")
@@ -145,15 +162,61 @@ def utf8_error(line: bytes, path: Path, number: int) -> DataError:
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One side of a corpus as read: where it is, how many lines it had, its checksum."""
+    """One side of a corpus as read: where it is, how many lines it had, its checksums.
+
+    ``sha256`` is that of the file as stored (an archive member's bytes for a member);
+    ``text_sha256`` that of the text as read (each line, without its line end, plus
+    ``\\n``): the same for the same sentences whether they came plain, gzip, from an
+    archive or out of SGML.
+    """
 
     path: str
     lang: str
     lines: int
     sha256: str
+    text_sha256: str
 
     def to_json(self) -> dict:
-        return {"path": self.path, "lang": self.lang, "lines": self.lines, "sha256": self.sha256}
+        return {
+            "path": self.path,
+            "lang": self.lang,
+            "lines": self.lines,
+            "sha256": self.sha256,
+            "text_sha256": self.text_sha256,
+        }
+
+
+class Side:
+    """One side of a parallel corpus: ``name`` (how messages name it), ``lang``, and its lines.
+
+    :meth:`lines` gives the lines as bytes without line ends, anew at each call;
+    :meth:`source_file` describes what the last full read of :meth:`lines` saw.
+    """
+
+    def __init__(self, name: str | Path, lang: str) -> None:
+        self.name, self.lang = name, lang
+
+    def lines(self) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def source_file(self, lines: int) -> SourceFile:
+        raise NotImplementedError
+
+
+class FileSide(Side):
+    """A side in a plain or gzip text file, one sentence a line."""
+
+    def __init__(self, path: Path, lang: str) -> None:
+        super().__init__(path, lang)
+        self.path = path
+        self._text = hashlib.sha256()
+
+    def lines(self) -> Iterator[bytes]:
+        self._text = hashlib.sha256()
+        return read_lines(self.path, self._text)
+
+    def source_file(self, lines: int) -> SourceFile:
+        return SourceFile(str(self.path.resolve()), self.lang, lines, sha256_of(self.path), self._text.hexdigest())
 
 
 @dataclass(frozen=True)
@@ -161,8 +224,8 @@ class Line:
     """One aligned pair as read: ``raw_*`` is the decoded text (None if not UTF-8), ``number`` 1-based."""
 
     number: int
-    src_path: Path
-    tgt_path: Path
+    src_path: str | Path
+    tgt_path: str | Path
     raw_src: bytes
     raw_tgt: bytes
     src: str | None
@@ -172,24 +235,30 @@ class Line:
 class ParallelCorpus:
     """The two sides of a corpus, read in step.
 
-    Iterating yields one :class:`Line` per line. Afterwards :attr:`files` holds the
-    line count and checksum of both files. Line counts that differ are an error naming
-    both files and both counts, raised when the shorter file ends.
+    ``PREFIX`` names the files ``PREFIX.<src_lang>`` and ``PREFIX.<tgt_lang>`` (:func:`find_side`);
+    ``sides`` gives the two sides instead (an archive's members, SGML: :mod:`megaformer.data.wmt`),
+    ``prefix`` then being the corpus's name. Iterating yields one :class:`Line` per line;
+    afterwards :attr:`files` holds the line count and checksums of both sides. Line counts
+    that differ are an error naming both sides and both counts, raised when the shorter ends.
     """
 
-    def __init__(self, prefix: str | Path, src_lang: str, tgt_lang: str) -> None:
+    def __init__(
+        self, prefix: str | Path, src_lang: str, tgt_lang: str, sides: tuple[Side, Side] | None = None
+    ) -> None:
         self.prefix = str(prefix)
-        self.src_path = find_side(prefix, src_lang)
-        self.tgt_path = find_side(prefix, tgt_lang)
-        self.langs = (src_lang, tgt_lang)
+        if sides is None:
+            sides = FileSide(find_side(prefix, src_lang), src_lang), FileSide(find_side(prefix, tgt_lang), tgt_lang)
+        self.src, self.tgt = sides
+        self.src_path, self.tgt_path = self.src.name, self.tgt.name
         self.files: list[SourceFile] = []
 
     def __iter__(self) -> Iterator[Line]:
-        src_lines, tgt_lines = read_lines(self.src_path), read_lines(self.tgt_path)
+        src_lines, tgt_lines = self.src.lines(), self.tgt.lines()
         number = 0
         for number, raw_src in enumerate(src_lines, start=1):
             raw_tgt = next(tgt_lines, None)
             if raw_tgt is None:
+                self._unpaired(longer=self.src)
                 self._mismatch(number - 1, number + sum(1 for _ in src_lines), longer_is_src=True)
             yield Line(
                 number,
@@ -200,13 +269,13 @@ class ParallelCorpus:
                 _decode(raw_src, number),
                 _decode(raw_tgt, number),
             )
-        extra = sum(1 for _ in tgt_lines)
-        if extra:
-            self._mismatch(number, number + extra, longer_is_src=False)
-        self.files = [
-            SourceFile(str(self.src_path.resolve()), self.langs[0], number, sha256_of(self.src_path)),
-            SourceFile(str(self.tgt_path.resolve()), self.langs[1], number, sha256_of(self.tgt_path)),
-        ]
+        if next(tgt_lines, None) is not None:
+            self._unpaired(longer=self.tgt)
+            self._mismatch(number, number + 1 + sum(1 for _ in tgt_lines), longer_is_src=False)
+        self.files = [self.src.source_file(number), self.tgt.source_file(number)]
+
+    def _unpaired(self, longer: Side) -> None:
+        """Called when ``longer`` has just read a line the other side lacks: a subclass may say more than counts."""
 
     def _mismatch(self, shorter: int, longer: int, *, longer_is_src: bool) -> None:
         src_n, tgt_n = (longer, shorter) if longer_is_src else (shorter, longer)

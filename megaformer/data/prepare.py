@@ -1,10 +1,14 @@
 """Preparing parallel text: cleaned pairs -> shared sentencepiece -> shards + manifest (:func:`prepare`).
 
-Steps: read each corpus in step and filter the training pairs (counted by reason,
-see :mod:`megaformer.data.corpus`); train one BPE model on the cleaned training text of
-both sides (or reuse ``PrepareSettings.spm``); encode; write training pairs in a seeded
-random order (so that every shard is a uniform sample) and valid/test pairs in line
-order; write the manifest last (format: :mod:`megaformer.data.shards`).
+Steps: open every corpus and check what can be checked without reading it through (files
+there, archives whole, their pairs found: :func:`open_inputs`, before anything is
+written); read each corpus in step and filter the training pairs (counted by reason,
+for the split and for each corpus, see :mod:`megaformer.data.corpus`); train one BPE
+model on the cleaned training text of both sides (or reuse ``PrepareSettings.spm``);
+encode; write training pairs in a seeded random order (so that every shard is a uniform
+sample) and valid/test pairs in line order; write the manifest last (format:
+:mod:`megaformer.data.shards`; each split lists the sides it read under ``sources``, and
+train counts each corpus under ``corpora``).
 
 ``bpe_dropout`` P with ``bpe_copies`` K stores K BPE-dropout segmentations of every kept
 training pair instead of its one plain segmentation (subword regularisation done once,
@@ -20,11 +24,13 @@ inputs and seed give byte-identical shards, tokenizer and manifest. What may be 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,6 +52,7 @@ from megaformer.data.manifest import FORMAT, VERSION, write_manifest
 from megaformer.data.shards import ShardWriter, token_dtype
 from megaformer.data.synthetic import SRC_LANG, TGT_LANG, write_synthetic_corpus
 from megaformer.data.tokenizer import Tokenizer, train_bpe
+from megaformer.data.wmt import open_corpora
 from megaformer.data.wmt_shaped import SRC_LANG as WMT_SRC_LANG
 from megaformer.data.wmt_shaped import TGT_LANG as WMT_TGT_LANG
 from megaformer.data.wmt_shaped import write_wmt_shaped_corpus
@@ -63,8 +70,10 @@ SYNTHETIC_CORPUS = "corpus"  # the folder of the prepared directory that holds t
 class PrepareSettings:
     """One ``prepare`` run: the corpora read, the tokenizer trained (or reused), the filters and the shards written.
 
-    ``train`` prefixes are concatenated (``PREFIX.<src>`` / ``PREFIX.<tgt>``, plain or .gz);
-    ``valid`` and ``test`` keep every line. ``synthetic`` N generates the built-in corpus
+    ``train`` corpora are concatenated in the order given; each is a PREFIX (``PREFIX.<src>`` /
+    ``PREFIX.<tgt>``, plain or .gz, or WMT's SGML pair) or ``ARCHIVE[:NAME]``, whose pairs
+    are all read (:mod:`megaformer.data.wmt`). ``valid`` and ``test`` name one pair each and
+    keep every line. ``synthetic`` N generates the built-in corpus
     of N training pairs (and its valid and test splits, languages xx/yy) inside the output
     instead; with ``synthetic_shape="wmt14"``, a corpus of WMT'14 en-de's shape (languages
     xs/ys, :mod:`megaformer.data.wmt_shaped`). ``spm`` reuses a sentencepiece model instead of training one of
@@ -114,6 +123,16 @@ class Progress:
             flush=True,
         )
 
+    def corpus(self, what: str, name: str, counts: SplitCounts) -> None:
+        """The final counts of one of several corpora of a split."""
+        if not self.quiet:
+            print(
+                f"prepare {what} {name}: read {counts.read:,} kept {counts.kept:,} "
+                f"rejected {dict(+counts.rejected) or 'none'}",
+                file=sys.stderr,
+                flush=True,
+            )
+
 
 class EncodedPairs:
     """Token ids of many pairs, kept as flat arrays per chunk plus lengths (not millions of small lists)."""
@@ -161,11 +180,36 @@ def _read_clean(path_src: Path, path_tgt: Path) -> Iterator[tuple[str, str]]:
             yield s.rstrip("\n"), t.rstrip("\n")
 
 
-class Preparation:
-    """One run of ``prepare`` into the directory ``work`` (renamed to ``final`` by the caller)."""
+def _since(counts: SplitCounts, before: SplitCounts) -> SplitCounts:
+    """What was counted in ``counts`` after the copy ``before`` was taken."""
+    return SplitCounts(counts.read - before.read, counts.kept - before.kept, counts.rejected - before.rejected)
 
-    def __init__(self, settings: PrepareSettings, work: Path, final: Path) -> None:
-        self.settings, self.work, self.final = settings, work, final
+
+@dataclass(frozen=True)
+class Inputs:
+    """The corpora of one run, opened: ``train`` in the order they are read."""
+
+    train: list[ParallelCorpus]
+    valid: ParallelCorpus | None
+    test: ParallelCorpus | None
+
+
+def open_inputs(settings: PrepareSettings) -> Inputs:
+    """The corpora ``settings`` names, checked as far as that needs no full read (:func:`open_corpora`)."""
+    src, tgt = settings.src, settings.tgt
+    train = [c for spec in settings.train for c in open_corpora(spec, src, tgt, "--train", several=True)]
+    held_out = [
+        None if spec is None else open_corpora(spec, src, tgt, option, several=False)[0]
+        for option, spec in (("--valid", settings.valid), ("--test", settings.test))
+    ]
+    return Inputs(train, *held_out)
+
+
+class Preparation:
+    """One run of ``prepare`` of ``inputs`` into the directory ``work`` (renamed to ``final`` by the caller)."""
+
+    def __init__(self, settings: PrepareSettings, inputs: Inputs, work: Path, final: Path) -> None:
+        self.settings, self.inputs, self.work, self.final = settings, inputs, work, final
         self.src, self.tgt = settings.src, settings.tgt
         self.progress = Progress(settings.quiet)
         self.filters = settings.filters
@@ -177,20 +221,20 @@ class Preparation:
         return str(self.final / p.relative_to(self.work.resolve())) if p.is_relative_to(self.work.resolve()) else path
 
     def run(self) -> None:
-        train, valid, test = list(self.settings.train), self.settings.valid, self.settings.test
-        for prefix in (valid, test):  # small: check them before the long part
-            if prefix is not None:
-                for line in ParallelCorpus(prefix, self.src, self.tgt):
+        train, valid, test = list(self.settings.train), self.inputs.valid, self.inputs.test
+        for corpus in (valid, test):  # small: check them before the long part
+            if corpus is not None:
+                for line in corpus:
                     reference_text(line)
         clean_src, clean_tgt = self.work / f"train.clean.{self.src}", self.work / f"train.clean.{self.tgt}"
-        counts, sources = self._clean_training_text(train, clean_src, clean_tgt)
+        counts, parts, sources = self._clean_training_text(clean_src, clean_tgt)
         tokenizer = self._tokenizer(train, clean_src, clean_tgt, counts)
-        self._write_training_shards(tokenizer, clean_src, clean_tgt, counts, sources)
+        self._write_training_shards(tokenizer, clean_src, clean_tgt, counts, parts, sources)
         clean_src.unlink()
         clean_tgt.unlink()
-        for split, prefix in (("valid", valid), ("test", test)):
-            if prefix is not None:
-                self._write_reference_split(split, prefix, tokenizer)
+        for split, corpus in (("valid", valid), ("test", test)):
+            if corpus is not None:
+                self._write_reference_split(split, corpus, tokenizer)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -212,14 +256,15 @@ class Preparation:
         write_manifest(self.work, manifest)  # last: a directory without it is incomplete
 
     def _clean_training_text(
-        self, prefixes: list[str], clean_src: Path, clean_tgt: Path
-    ) -> tuple[SplitCounts, list[dict]]:
-        counts, sources = SplitCounts(), []
+        self, clean_src: Path, clean_tgt: Path
+    ) -> tuple[SplitCounts, list[SplitCounts], list[dict]]:
+        """The split's counts, each corpus's (in order) and the sides read, after the text stage of filtering."""
+        counts, parts, sources = SplitCounts(), [], []
         text_filter = TextFilter(self.filters, counts)
         self.progress.start()
         with open(clean_src, "w", encoding="utf-8") as fs, open(clean_tgt, "w", encoding="utf-8") as ft:
-            for prefix in prefixes:
-                corpus = ParallelCorpus(prefix, self.src, self.tgt)
+            for corpus in self.inputs.train:
+                before = SplitCounts(counts.read, counts.kept, Counter(counts.rejected))
                 for line in corpus:
                     pair = text_filter.accept(line)
                     if pair is not None:
@@ -227,8 +272,9 @@ class Preparation:
                         ft.write(pair[1] + "\n")
                         counts.kept += 1
                     self.progress.update("train (cleaning)", counts)
+                parts.append(_since(counts, before))
                 sources += [dict(f.to_json(), path=self._where(f.path)) for f in corpus.files]
-        return counts, sources
+        return counts, parts, sources
 
     def _tokenizer(self, prefixes: list[str], clean_src: Path, clean_tgt: Path, counts: SplitCounts) -> Tokenizer:
         model = self.work / "spm.model"
@@ -258,25 +304,49 @@ class Preparation:
                 )
         return Tokenizer(model)
 
+    def _length_filter(
+        self,
+        chunk: list[tuple[str, str]],
+        ids: tuple[list, list],
+        first: int,
+        counts: SplitCounts,
+        parts: list[tuple[int, SplitCounts]],
+    ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[str, str]]]:
+        """The kept (ids, text) of a chunk of clean pairs whose first is clean line ``first`` (0-based); each
+        reject counted for the split and for its corpus (``parts``: each corpus's counts after the one past its
+        last clean line)."""
+        ends = [end for end, _ in parts]
+        kept, text = [], []
+        for line, (pair, s, t) in enumerate(zip(chunk, *ids), start=first):
+            reason = length_reject(len(s), len(t), self.filters)
+            if reason:
+                counts.reject(reason)
+                part = parts[bisect.bisect_right(ends, line)][1]
+                part.reject(reason)
+                part.kept -= 1
+            else:
+                kept.append((s, t))
+                text.append(pair)
+        counts.kept += len(kept)
+        return kept, text
+
     def _write_training_shards(
-        self, tokenizer: Tokenizer, clean_src: Path, clean_tgt: Path, counts: SplitCounts, sources: list[dict]
+        self,
+        tokenizer: Tokenizer,
+        clean_src: Path,
+        clean_tgt: Path,
+        counts: SplitCounts,
+        parts: list[SplitCounts],
+        sources: list[dict],
     ) -> None:
         dtype = token_dtype(tokenizer.vocab_size)
         encoded = EncodedPairs(dtype)
         counts.kept = 0  # recounted after the length filters
+        ends = list(itertools.accumulate(part.kept for part in parts))  # clean lines of each corpus: where they end
         dropout, copies = self.settings.bpe_dropout, self.settings.bpe_copies
         for index, chunk in enumerate(_chunks(_read_clean(clean_src, clean_tgt), _ENCODE_CHUNK)):
-            src_ids = tokenizer.encode([s for s, _ in chunk])
-            tgt_ids = tokenizer.encode([t for _, t in chunk])
-            kept, text = [], []
-            for pair, s, t in zip(chunk, src_ids, tgt_ids):
-                reason = length_reject(len(s), len(t), self.filters)
-                if reason:
-                    counts.reject(reason)
-                else:
-                    kept.append((s, t))
-                    text.append(pair)
-            counts.kept += len(kept)
+            ids = tokenizer.encode([s for s, _ in chunk]), tokenizer.encode([t for _, t in chunk])
+            kept, text = self._length_filter(chunk, ids, index * _ENCODE_CHUNK, counts, list(zip(ends, parts)))
             if dropout == 0:
                 encoded.add(kept)
                 continue
@@ -298,6 +368,8 @@ class Preparation:
                 f"--max-ratio {self.filters.max_ratio}): {dict(+counts.rejected)}"
             )
         self.progress.update("train", counts, final=True)
+        for corpus, part in zip(self.inputs.train, parts) if len(parts) > 1 else ():
+            self.progress.corpus("train", corpus.prefix, part)
         writer = ShardWriter(self.work, "train", self.settings.shard_size, dtype)
         for src, tgt in encoded.pairs(np.random.default_rng(self.settings.seed).permutation(len(encoded))):
             writer.write(src, tgt)
@@ -307,12 +379,12 @@ class Preparation:
             **({"bpe_dropout": {"p": dropout, "copies": copies}} if dropout > 0 else {}),
             **counts.to_json(),
             "sources": sources,
+            "corpora": [{"name": c.prefix, **part.to_json()} for c, part in zip(self.inputs.train, parts)],
             **writer.close(),
         }
 
-    def _write_reference_split(self, split: str, prefix: str, tokenizer: Tokenizer) -> None:
+    def _write_reference_split(self, split: str, corpus: ParallelCorpus, tokenizer: Tokenizer) -> None:
         counts = SplitCounts()
-        corpus = ParallelCorpus(prefix, self.src, self.tgt)
         writer = ShardWriter(self.work, split, self.settings.shard_size, token_dtype(tokenizer.vocab_size))
         raw_src, raw_ref = f"{split}.{self.src}", f"{split}.{self.tgt}"
         self.progress.start()
@@ -395,10 +467,12 @@ def prepare(settings: PrepareSettings, out: Path, before_commit: Callable[[], No
     caller's decision). ``before_commit`` runs just before the rename: ``megaformer
     prepare`` checks there again that ``out`` holds no input.
     """
+    inputs = None if settings.synthetic is not None else open_inputs(settings)  # checked before anything is written
     with atomic_output(out, replace=True) as work:
-        if settings.synthetic is not None:
+        if inputs is None:
             settings = _with_synthetic_corpus(settings, work / SYNTHETIC_CORPUS)
+            inputs = open_inputs(settings)
         started = time.monotonic()
-        Preparation(settings, work, out).run()
+        Preparation(settings, inputs, work, out).run()
         before_commit()
     return time.monotonic() - started
