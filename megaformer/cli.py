@@ -49,6 +49,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("inspect", "megaformer.commands.inspect", "summarise a prepared data directory"),
     Command("info", "megaformer.commands.info", "parameters, FLOPs and memory of a config"),
+    Command("plan", "megaformer.commands.plan", "the fastest layout of a config that fits a cluster"),
     Command("parity", "megaformer.commands.parity", "check a TP=N model against TP=1 on this installation"),
     Command(
         "train",

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "megaformer.info",
         "megaformer.sim",
     ),
-    ("megaformer.parity", "megaformer.demo", "megaformer.recipes"),
+    ("megaformer.parity", "megaformer.demo", "megaformer.recipes", "megaformer.plan"),
     ("megaformer.commands", "megaformer.cli_args"),
     ("megaformer.cli", "megaformer.__main__"),
 )
