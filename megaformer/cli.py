@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import NoReturn
 
+from megaformer import logs
 from megaformer.errors import MegaformerError
 from megaformer.files import PATH_ERRNOS, STATE_ERRNOS, path_refusal
 
@@ -105,6 +106,8 @@ def build_parser(wanted: str | None = None) -> Parser:
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         p.set_defaults(_command=command)
+        p.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors (no progress)")
+        p.add_argument("-v", "--verbose", action="store_true", help="debug messages too")
         if wanted in (command.name, "*"):
             getattr(command.load(), command.add)(p)
     return parser
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megaformer{' ' + wanted if wanted else ''}: interrupted", file=sys.stderr)
         return 130
     command: Command = args._command
+    logs.configure(logs.level_from(args.quiet, args.verbose))  # ranks started from here inherit the level
     try:
         return int(getattr(command.load(), command.main)(args) or 0)
     except MegaformerError as err:

@@ -9,6 +9,7 @@ The options are :mod:`megaformer.commands.demo`'s.
 
 from __future__ import annotations
 
+import logging
 import shlex
 import shutil
 import subprocess
@@ -17,14 +18,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LOG = logging.getLogger(__name__)
 
 
 def _run(title: str, args: list[str], capture: bool = False) -> str:
     command = [sys.executable, "-m", "megaformer.cli", *args]
-    print(f"\n== {title}\n$ megaformer {shlex.join(args)}", flush=True)
+    LOG.info(f"\n== {title}\n$ megaformer {shlex.join(args)}")
     proc = subprocess.run(command, cwd=ROOT, text=True, stdout=subprocess.PIPE if capture else None)
     if proc.returncode != 0:
-        print(f"demo: `megaformer {args[0]}` failed with status {proc.returncode}", file=sys.stderr)
+        LOG.error(f"demo: `megaformer {args[0]}` failed with status {proc.returncode}")
         sys.exit(proc.returncode)
     return proc.stdout or ""
 
@@ -67,7 +69,7 @@ def run_demo(work: Path, pairs: int, steps: int) -> int:
             ["prepare", "--synthetic", str(pairs), "--out", str(data)],
         )
     if run.is_dir():  # an earlier demo's run: this one starts afresh (train refuses to mix them)
-        print(f"removing the previous demo run {run}", flush=True)
+        LOG.info(f"removing the previous demo run {run}")
         shutil.rmtree(run)
     _run(
         f"train at TP=2 (2 processes) to step {steps // 2}",
@@ -87,7 +89,7 @@ def run_demo(work: Path, pairs: int, steps: int) -> int:
     )
     refs = (data / "test.yy").read_text().splitlines()[:5]
     for src, hyp, ref in zip(lines, out.splitlines(), refs):
-        print(f"  source     {src}\n  output     {hyp}\n  reference  {ref}\n")
+        LOG.info(f"  source     {src}\n  output     {hyp}\n  reference  {ref}\n")
     _run(
         "BLEU on the test split",
         [
@@ -102,7 +104,7 @@ def run_demo(work: Path, pairs: int, steps: int) -> int:
             str(work / "test.hyp"),
         ],
     )
-    print(
+    LOG.info(
         f"\ndemo: done in {time.monotonic() - started:.0f} s. Metrics: {run / 'metrics.jsonl'}; "
         f"tensorboard --logdir {run / 'tensorboard'}"
     )

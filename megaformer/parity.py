@@ -9,8 +9,8 @@ torchrun, srun or the DeepSpeed launcher it uses the processes it was given.
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +18,8 @@ import torch
 from megaformer.config import Config
 from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.errors import ConfigError
+from megaformer.logs import configure as configure_logs
+from megaformer.logs import set_rank
 from megaformer.parallel import (
     LOCAL,
     DropoutRNG,
@@ -31,6 +33,8 @@ from megaformer.parallel import (
     tp_partitions,
 )
 from megaformer.parallel.stages import StagePart
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,22 +239,21 @@ def _print_report(report: ParityReport, cfg: Config, settings: ParitySettings, b
     layout = f"TP={cfg.parallel.tp} PP={cfg.parallel.pp}" if cfg.parallel.pp > 1 else f"TP={cfg.parallel.tp}"
     cut = f", {settings.micro_batches} micro-batches, pp_split={cfg.parallel.pp_split or 'balanced'}"
     precision = "fp32" + (f", not train.precision={cfg.train.precision}" if cfg.train.precision != "fp32" else "")
-    print(
+    LOG.info(
         f"parity {layout} vs TP=1{cut if cfg.parallel.pp > 1 else ''} ({precision}, "
         f"sequence_parallel={cfg.parallel.sequence_parallel and cfg.parallel.tp > 1}, "
         f"dropout={cfg.model.dropout}, dropout_rng={cfg.parallel.dropout_rng}, backend={backend})"
     )
-    print(f"loss: {layout} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
-    print(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
+    LOG.info(f"loss: {layout} {report.loss:.8f}  TP=1 {report.reference_loss:.8f}")
+    LOG.info(f"{'tensor':60s} {'max abs diff':>14s} {'relative':>12s}")
     for name, (diff, rel) in shown:
-        print(f"{name:60s} {diff:14.3e} {rel:12.3e}")
+        LOG.info(f"{name:60s} {diff:14.3e} {rel:12.3e}")
     name, worst = report.worst()
     ok = worst <= settings.tolerance
-    print(
+    LOG.info(
         f"{'PASS' if ok else 'FAIL'}: largest relative difference {worst:.3e} ({name}), tolerance "
         f"{settings.tolerance:.0e} over {sum(k.startswith('grad') for k in report.diffs)} gradients"
     )
-    sys.stdout.flush()
     return ok
 
 
@@ -259,6 +262,8 @@ def _rank_main(cfg: Config, settings: ParitySettings) -> int:
     from launcher.env import detect  # the rank, world size and master port the launcher set, checked
 
     info = detect()
+    configure_logs()  # at the level the starting process chose (its environment)
+    set_rank(info.rank)
     ctx = ParallelContext.initialize(cfg.parallel, info.rank, info.world_size, info.local_rank)
     try:
         s = settings

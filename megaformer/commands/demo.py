@@ -12,6 +12,7 @@ import sys
 
 from megaformer.cli_args import int_range, positive_int
 from megaformer.demo import ROOT, run_demo
+from megaformer.logs import configure as configure_logs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    configure_logs()
     return run_demo(ROOT / args.dir, args.pairs, args.steps)
 
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
-import sys
 from pathlib import Path
 
 from megaformer.cli_args import nonneg_int
-from megaformer.recipes.multi30k import Machine, Multi30k, run_multi30k
+from megaformer.recipes.multi30k import Machine, Multi30k, run_multi30k, steps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     machine = Machine.detect()
     if args.gpus is not None:
         machine = dataclasses.replace(machine, gpus=args.gpus)
@@ -45,4 +42,7 @@ def main(args: argparse.Namespace) -> int:
         tests=tuple(args.tests.split()),
         precision=args.precision,
     )
-    return run_multi30k(recipe, machine, dry_run=args.dry_run)
+    if args.dry_run:  # the commands are this option's output, shown under -q too
+        print("\n".join(step.shown() for step in steps(recipe, machine)))
+        return 0
+    return run_multi30k(recipe, machine)

@@ -125,7 +125,6 @@ def _add_output_arguments(out: argparse._ArgumentGroup, defaults: DataConfig) ->
         metavar="N",
         help="seed of the BPE sample, the order of training pairs in the shards and --synthetic (default: %(default)s)",
     )
-    out.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def _add_tokenizer_arguments(tok: argparse._ArgumentGroup, defaults: DataConfig) -> None:

@@ -62,7 +62,6 @@ def add_search_arguments(parser: argparse.ArgumentParser, ckpt_required: bool = 
     parser.add_argument(
         "--tp", type=positive_int, default=1, help="tensor-parallel processes to decode with (default 1)"
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def max_tokens_from_args(args: argparse.Namespace, model: Consolidated) -> int:

@@ -9,9 +9,7 @@ runs :func:`megaformer.recipes.wmt14.run_wmt14`: every step a ``megaformer`` com
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
-import sys
 from pathlib import Path
 
 from megaformer.cli_args import existing_dir, existing_file, int_range, positive_int
@@ -64,5 +62,4 @@ def recipe_from_args(args: argparse.Namespace, cwd: Path) -> Wmt14:
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     return run_wmt14(recipe_from_args(args, Path.cwd()))

@@ -27,8 +27,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import logging
 import shutil
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -58,6 +58,9 @@ from megaformer.data.wmt_shaped import TGT_LANG as WMT_TGT_LANG
 from megaformer.data.wmt_shaped import write_wmt_shaped_corpus
 from megaformer.errors import DataError
 from megaformer.files import atomic_output
+from megaformer.logs import STDERR
+
+LOG = logging.getLogger(__name__)
 
 _ENCODE_CHUNK = 10000  # lines encoded per sentencepiece call
 # The corpora ``prepare --synthetic N`` generates, and their default vocabularies.
@@ -116,21 +119,19 @@ class Progress:
             return
         self._last = now
         rate = counts.read / max(now - self._start, 1e-9)
-        print(
+        LOG.info(
             f"prepare {what}: read {counts.read:,} kept {counts.kept:,} ({rate:,.0f} lines/s)"
             + ("" if not final else f" rejected {dict(+counts.rejected) or 'none'}"),
-            file=sys.stderr,
-            flush=True,
+            extra=STDERR,
         )
 
     def corpus(self, what: str, name: str, counts: SplitCounts) -> None:
         """The final counts of one of several corpora of a split."""
         if not self.quiet:
-            print(
+            LOG.info(
                 f"prepare {what} {name}: read {counts.read:,} kept {counts.kept:,} "
                 f"rejected {dict(+counts.rejected) or 'none'}",
-                file=sys.stderr,
-                flush=True,
+                extra=STDERR,
             )
 
 
@@ -297,10 +298,9 @@ class Preparation:
                 described_as=f"the cleaned training text of {', '.join(prefixes)}",
             )
             if not self.settings.quiet:
-                print(
+                LOG.info(
                     f"prepare: trained BPE with {self.settings.vocab_size} pieces in {time.monotonic() - started:.1f}s",
-                    file=sys.stderr,
-                    flush=True,
+                    extra=STDERR,
                 )
         return Tokenizer(model)
 

@@ -10,6 +10,7 @@ no-op).
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from megaformer.config import ParallelConfig
 from megaformer.errors import ConfigError
 from megaformer.parallel.layout import ParallelLayout, check_tp_within_nodes
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,7 @@ class ParallelContext:
         check_tp_within_nodes(layout, hosts)
         if rank == 0 and len(set(hosts)) > 1:
             stages = f" pp={layout.pp}" if layout.pp > 1 else ""
-            print(f"parallel: tp={layout.tp} dp={layout.dp}{stages}; {describe_nodes(hosts)}", flush=True)
+            LOG.info(f"parallel: tp={layout.tp} dp={layout.dp}{stages}; {describe_nodes(hosts)}")
         created, mine = _create_groups(layout, rank)
         tp = TPGroup(group=mine["tp"], size=layout.tp, rank=rank % layout.tp) if layout.tp > 1 else LOCAL
         return cls(

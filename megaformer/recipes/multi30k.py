@@ -15,7 +15,6 @@ starts. Where each threshold and value came from (the runs behind them) is in ``
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,6 @@ from pathlib import Path
 from megaformer.errors import ConfigError, DataError
 from megaformer.recipes.steps import Step, megaformer, shown_path
 
-LOG = logging.getLogger(__name__)
 CONFIG = "configs/multi30k.yaml"
 VOCAB = 8000
 AVERAGE_LAST = 5
@@ -206,13 +204,9 @@ def check_gpu_torch(machine: Machine) -> None:
             )
 
 
-def run_multi30k(recipe: Multi30k, machine: Machine, dry_run: bool = False) -> int:
-    """Every step in order (``dry_run``: only print them, as ``make -n`` does); 0, or a RecipeError naming the step."""
+def run_multi30k(recipe: Multi30k, machine: Machine) -> int:
+    """Every step in order; 0, or a RecipeError naming the step."""
     plan = steps(recipe, machine)
-    if dry_run:
-        for step in plan:
-            LOG.info("%s", step.shown())
-        return 0
     check_gpu_torch(machine)
     for step in plan:
         step.run()
