@@ -6,8 +6,10 @@ places the states by where they live, writes and verifies them. A checkpoint is 
 directory per optimizer step::
 
     RUN/checkpoints/step-00000100/
-        model-tp00-of-02.pt   fp32 weights and Adam moments of TP rank 0 (complete over DP): ``shard``
-        model-tp01-of-02.pt   ... one file per TP rank, written by that TP rank's first DP rank
+        model-tp00-of-02.pt   fp32 weights of TP rank 0 (complete over DP): ``shard``
+        optim-tp00-of-02.pt   its Adam moments, where they are kept apart (``files.write_shard``: reshard);
+                              otherwise the model file holds them beside the weights
+        model-tp01-of-02.pt   ... one pair per TP rank, written by that TP rank's first DP rank
         rank-00000.pt         what only this rank holds (the torch RNG): ``rank``
         tokenizer.model       the sentencepiece model, so that one directory is enough to translate
         meta.json             written last: step, config, layout, ``run`` (states equal on every
@@ -29,7 +31,8 @@ different DP size or ZeRO stage needs nothing, since the state is complete over 
 
 The modules: :mod:`~megaformer.checkpoint.format` (names, ``meta.json``, finding a
 checkpoint, pruning), :mod:`~megaformer.checkpoint.save`, :mod:`~megaformer.checkpoint.load`
-(for training), :mod:`~megaformer.checkpoint.consolidated` (one TP-independent model:
+(for training), :mod:`~megaformer.checkpoint.source` (any path a user gives, located and
+verified once: :func:`locate`), :mod:`~megaformer.checkpoint.consolidated` (one TP-independent model:
 reading for inference, resharding), :mod:`~megaformer.checkpoint.average`, and
 :mod:`~megaformer.checkpoint.files` (checksummed, tensor-only reads).
 """
@@ -47,10 +50,11 @@ _EXPORTS = {
         "consolidate",
         "load_consolidated",
         "load_for_inference",
+        "read_model",
         "reshard",
         "save_consolidated",
     ),
-    ".files": ("safe_torch_load",),
+    ".files": ("MODEL_KEYS", "OPTIMIZER_KEYS", "load_checked", "safe_torch_load", "write_shard"),
     ".format": (
         "CHECKPOINT_FORMAT",
         "META_KEYS",
@@ -60,17 +64,22 @@ _EXPORTS = {
         "TENSOR_KEYS",
         "Log",
         "check_complete",
+        "check_files",
+        "checked_meta",
         "check_step_name",
         "checkpoint_root",
         "find_latest",
         "list_checkpoints",
         "model_file_name",
         "model_files",
+        "model_names",
+        "optimizer_file_name",
         "prune",
         "rank_file_name",
         "read_pointer",
         "resolve_checkpoint",
         "step_dir_name",
+        "verify_all",
         "write_best",
     ),
     ".load": (
@@ -85,6 +94,7 @@ _EXPORTS = {
         "shape_info",
         "shard_info_of",
     ),
+    ".source": ("CheckpointSource", "SourceCheck", "is_export", "locate"),
     ".save": ("CheckpointState", "file_entries", "save_checkpoint"),
     "megaformer.files": ("atomic_torch_save", "atomic_write_text", "sha256_of"),
 }

@@ -7,6 +7,7 @@ compute), vocabularies, tokenizers or parameter shapes are refused, naming both 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,9 +15,11 @@ from pathlib import Path
 import torch
 
 from megaformer.checkpoint.consolidated import Consolidated
-from megaformer.checkpoint.format import check_complete, checkpoint_root, list_checkpoints
+from megaformer.checkpoint.format import checkpoint_root, list_checkpoints, verify_all
 from megaformer.config import TRAINING_ONLY_MODEL_SETTINGS, to_dict
 from megaformer.errors import CheckpointError
+
+LOG = logging.getLogger(__name__)
 
 # ---- checkpoint averaging -------------------------------------------------------------------
 
@@ -107,20 +110,26 @@ def average_checkpoints(
 
 
 def last_checkpoints(
-    run_dir: str | Path, count: int, log: Callable[[str], None] = print, asked_by: str = "--last"
+    run_dir: str | Path,
+    count: int,
+    log: Callable[[str], None] = LOG.info,
+    asked_by: str = "--last",
+    check: Callable[[Path], object] = verify_all,
 ) -> list[Path]:
     """The ``count`` newest complete checkpoints (step directories) of a run, oldest first.
 
     Incomplete or torn step directories are skipped, each announced through ``log``
     (an average of other steps than the newest is never silent); fewer than ``count``
     complete ones is a CheckpointError that says how many there are and what asked for
-    ``count`` (``asked_by``: the option, or the setting it defaulted to).
+    ``count`` (``asked_by``: the option, or the setting it defaulted to). ``check``: what
+    makes a step usable (every file's sha256 by default; a
+    :class:`megaformer.checkpoint.source.SourceCheck` verifies what the average reads and keeps it).
     """
     root = checkpoint_root(Path(run_dir))
     complete = []
     for step_dir in list_checkpoints(root):  # newest first
         try:
-            check_complete(step_dir, verify=True)
+            check(step_dir)
         except CheckpointError as err:
             log(f"checkpoint: skipping {err}")
             continue

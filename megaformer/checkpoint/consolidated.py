@@ -14,18 +14,11 @@ from pathlib import Path
 
 import torch
 
-from megaformer.checkpoint.files import safe_torch_load
-from megaformer.checkpoint.format import (
-    POINTERS,
-    STEP_DIR,
-    Log,
-    check_complete,
-    list_checkpoints,
-    model_file_name,
-    resolve_checkpoint,
-)
+from megaformer.checkpoint.files import safe_torch_load, write_shard
+from megaformer.checkpoint.format import STEP_DIR, Log, list_checkpoints, model_file_name
 from megaformer.checkpoint.load import merged_state, shape_info, vocab_rows
 from megaformer.checkpoint.save import file_entries
+from megaformer.checkpoint.source import CheckpointSource, SourceCheck, locate
 from megaformer.config import Config, from_dict, to_dict
 from megaformer.errors import CheckpointError
 from megaformer.files import atomic_output, atomic_torch_save, atomic_write_text
@@ -72,48 +65,67 @@ def load_consolidated(path: str | Path) -> Consolidated:
 
 
 def load_for_inference(path: str | Path, log: Log) -> Consolidated:
-    """A consolidated model from a model file, a step directory, a ``best``/``latest`` file or a run directory."""
-    path = Path(path)
-    if path.is_file() and path.name in POINTERS:
-        return consolidate(resolve_checkpoint(path, log))
-    if path.is_file():
-        return load_consolidated(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint or model file")
-    return consolidate(resolve_checkpoint(path, log))
+    """A consolidated model from a model file, a step directory, a ``best``/``latest`` file or a run directory.
+
+    Exports are read by :func:`megaformer.decode.loading.load_model_file`, which reads every kind.
+    """
+    source = locate(path, log)
+    if source.kind == "export":
+        raise CheckpointError(f"{path}: an export: read it with megaformer.decode.loading.load_model_file")
+    return read_model(source)
 
 
-def consolidate(step_dir: Path) -> Consolidated:
-    """One TP-independent model from a (possibly TP-sharded) training checkpoint."""
-    meta = check_complete(step_dir)
-    state = merged_state(step_dir, meta, shape_info(meta), keys=("param",))["param"]
+def read_model(source: CheckpointSource) -> Consolidated:
+    """The model of a located step directory or model file: the weights only (a checkpoint's optimizer files
+    are not opened; the moments an older model file holds beside the weights are never read)."""
+    if source.kind == "model":
+        return load_consolidated(source.path)
+    if source.kind != "step":
+        raise CheckpointError(f"{source.path}: an export, not a checkpoint or model file")
+    meta, step_dir = source.meta, source.path
+    state = merged_state(step_dir, meta, shape_info(meta), keys=("param",), read=source.weights)["param"]
     tok = step_dir / "tokenizer.model"
+    if tok.name in meta["files"]:
+        tokenizer = source.file(tok.name).read_bytes()
+    else:  # a checkpoint whose meta.json lists none
+        tokenizer = tok.read_bytes() if tok.is_file() else None
     trainer = meta["run"].get("trainer", {})
     return Consolidated(
         from_dict(meta["config"]),
         state,
         meta["vocab_size"],
-        tok.read_bytes() if tok.is_file() else None,
+        tokenizer,
         {"step": meta["step"], "tokens": trainer.get("tokens"), "source": str(step_dir)},
     )
+
+
+def consolidate(step_dir: Path | CheckpointSource) -> Consolidated:
+    """One TP-independent model from a (possibly TP-sharded) training checkpoint: its weights only."""
+    if isinstance(step_dir, CheckpointSource):
+        return read_model(step_dir)
+    check = SourceCheck()
+    check(Path(step_dir))
+    return read_model(check.source(Path(step_dir)))
 
 
 # ---- resharding ----------------------------------------------------------------------------------
 
 
-def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
+def reshard(src: Path | CheckpointSource, out: Path, tp: int, log: Log) -> Path:
     """Write checkpoint ``src`` with its model files split for ``tp`` ranks (no processes needed).
 
-    The result is written beside its target and renamed into place at the end; the
-    source is never written to, and an existing target (the source or another
-    checkpoint) is refused rather than replaced.
+    ``src``: a path, or a source :func:`locate` found with ``everything`` (its files verified
+    once, not again). The model files are written with the Adam moments in optimizer files
+    beside them (:func:`megaformer.checkpoint.files.write_shard`). The result is written beside
+    its target and renamed into place at the end; the source is never written to, and an
+    existing target (the source or another checkpoint) is refused rather than replaced.
     """
     from megaformer.parallel.layout import check_model_split
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise CheckpointError(f"reshard: tp must be a positive integer, got {tp!r}")
-    src = resolve_checkpoint(src, log)
-    meta = check_complete(src)
+    source = src if isinstance(src, CheckpointSource) else locate(src, log, everything=True)
+    src, meta = source.path, source.meta
     cfg = from_dict(meta["config"])
     check_model_split(cfg.model, tp, "--tp")
     target = out if STEP_DIR.match(out.name) else out / src.name
@@ -122,7 +134,7 @@ def reshard(src: Path, out: Path, tp: int, log: Log) -> Path:
     if target.exists():
         raise CheckpointError(f"reshard: {target} already exists; choose another output or remove it first")
     info = shape_info(meta)
-    full = merged_state(src, meta, info)
+    full = merged_state(src, meta, info, read=source.tensors)
     with atomic_output(target) as tmp:
         _write_resharded(src, tmp, meta, info, full, tp)
     if list_checkpoints(target.parent)[0] == target:  # `latest` names the newest step of its folder
@@ -142,7 +154,7 @@ def _write_resharded(src: Path, tmp: Path, meta: dict, info: dict, full: dict, t
             key: {n: shard_full(fit_vocab_rows(n, t, rows), *info[n], group).clone() for n, t in ts.items()}
             for key, ts in full.items()
         }
-        atomic_torch_save(part, tmp / model_file_name(r, tp))
+        write_shard(part, tmp / model_file_name(r, tp))
     for name in meta["files"]:  # rank files and the tokenizer are carried as they are
         if name.startswith("rank-") or name == "tokenizer.model":
             shutil.copyfile(src / name, tmp / name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -53,11 +54,33 @@ def rank_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def optimizer_file_name(model_file: str) -> str:
+    """The optimizer file beside a model file: ``optim-tp00-of-02.pt`` for ``model-tp00-of-02.pt``."""
+    return "optim-" + model_file.removeprefix("model-")
+
+
+def model_names(meta: dict) -> list[str]:
+    """The files a reader of the model alone needs: every model file and the tokenizer, never an optimizer file.
+
+    A checkpoint that lists ``optim-*`` files keeps the Adam moments there and only the weights
+    in its model files; one that does not (written before that layout) keeps all three in the model files.
+    """
+    names = [name for stage in model_files(meta) for name in stage]
+    return names + (["tokenizer.model"] if "tokenizer.model" in meta["files"] else [])
+
+
 def check_complete(step_dir: Path, verify: bool = False) -> dict:
     """``meta.json`` of a complete checkpoint; raises :class:`CheckpointError` saying what is wrong.
 
     Sizes are always checked; with ``verify`` every file's sha256 too.
     """
+    meta = checked_meta(step_dir)
+    check_files(step_dir, meta, list(meta["files"]), verify)
+    return meta
+
+
+def checked_meta(step_dir: Path) -> dict:
+    """``meta.json`` of ``step_dir``, its keys, kinds and step checked; no file beside it is looked at."""
     meta_path = step_dir / "meta.json"
     if not meta_path.is_file():
         raise CheckpointError(f"{step_dir}: no meta.json (the save did not finish)")
@@ -80,15 +103,35 @@ def check_complete(step_dir: Path, verify: bool = False) -> dict:
             f"(renamed, or written there by hand): rename it {step_dir_name(meta['step'])} or move it out"
         )
     _check_meta_types(meta, meta_path)
-    for name, entry in meta["files"].items():
-        f = step_dir / name
+    return meta
+
+
+def check_files(step_dir: Path, meta: dict, names: list[str], verify: bool) -> dict[str, tuple[int, ...]]:
+    """Check that each of ``names`` is listed in ``meta``, present and of its size; with ``verify`` its sha256 too.
+
+    Returns each verified file's :func:`file_stamp`, taken before it was hashed: a reader that
+    finds the file with the same stamp later (another process too) need not hash it again.
+    """
+    stamps = {}
+    for name in names:
+        entry, f = meta["files"].get(name), step_dir / name
+        if entry is None:
+            raise CheckpointError(f"{step_dir}: meta.json lists no {name}")
         if not f.is_file():
             raise CheckpointError(f"{step_dir}: {name} is missing")
         if f.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"{step_dir}: {name} has {f.stat().st_size} bytes, meta.json says {entry['bytes']}")
-        if verify and sha256_of(f) != entry["sha256"]:
-            raise CheckpointError(f"{f}: content does not match its sha256 in meta.json (the file is damaged)")
-    return meta
+        if verify:
+            stamps[name] = file_stamp(f)
+            if sha256_of(f) != entry["sha256"]:
+                raise CheckpointError(f"{f}: content does not match its sha256 in meta.json (the file is damaged)")
+    return stamps
+
+
+def file_stamp(path: Path) -> tuple[int, ...]:
+    """(device, inode, size, mtime in ns): what changes when a file is replaced or written to."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 # The fields of meta.json that readers index, and the JSON kind each must be.
@@ -128,11 +171,18 @@ def checkpoint_root(path: Path) -> Path:
     return path / "checkpoints" if (path / "checkpoints").is_dir() else path
 
 
-def find_latest(path: str | Path, log: Log) -> Path | None:
+def verify_all(step_dir: Path) -> dict:
+    """The check of a checkpoint training resumes from: every file's size and sha256."""
+    return check_complete(step_dir, verify=True)
+
+
+def find_latest(path: str | Path, log: Log, check: Callable[[Path], object] = verify_all) -> Path | None:
     """The newest complete, undamaged checkpoint under a run directory (or its checkpoints folder).
 
     Unfinished, torn or damaged ones are skipped, each with a line through ``log``
-    naming it and why, so that falling back to an older step is never silent.
+    naming it and why, so that falling back to an older step is never silent. ``check``
+    raises CheckpointError for a step directory that cannot be used (by default: any file
+    damaged; a reader of the model alone checks the files it reads).
     """
     root = checkpoint_root(Path(path))
     if root.is_dir():
@@ -141,7 +191,7 @@ def find_latest(path: str | Path, log: Log) -> Path | None:
     skipped = []
     for step_dir in list_checkpoints(root):
         try:
-            check_complete(step_dir, verify=True)
+            check(step_dir)
         except CheckpointError as err:
             log(f"checkpoint: skipping {err}")
             skipped.append(step_dir.name)
@@ -173,8 +223,11 @@ def write_best(root: Path, step_dir: Path) -> None:
     atomic_write_text(root / "best", step_dir.name + "\n")
 
 
-def resolve_checkpoint(path: str | Path, log: Log) -> Path:
-    """A verified step directory from a step directory, a ``best``/``latest`` file, a checkpoints folder or a run."""
+def resolve_checkpoint(path: str | Path, log: Log, check: Callable[[Path], object] = verify_all) -> Path:
+    """A verified step directory from a step directory, a ``best``/``latest`` file, a checkpoints folder or a run.
+
+    ``check``: as :func:`find_latest`'s; it is applied to the step directory chosen, once.
+    """
     path = Path(path)
     if path.is_file() and path.name in POINTERS:
         name = read_pointer(path)
@@ -184,10 +237,10 @@ def resolve_checkpoint(path: str | Path, log: Log) -> Path:
             raise CheckpointError(f"{path}: names {name}, which is not in {path.parent} (deleted?)")
         path = path.parent / name
     if STEP_DIR.match(path.name):
-        check_complete(path, verify=True)
+        check(path)
         return path
     refuse_model_file(path)
-    found = find_latest(path, log) if path.is_dir() else None
+    found = find_latest(path, log, check) if path.is_dir() else None
     if found is None:
         if path.is_dir() and path.suffix in (".pt", ".safetensors"):  # a model file replaced by a folder: not missing
             raise CheckpointError(f"{path}: is a directory, expected a model file; and it holds no checkpoint either")

@@ -10,7 +10,14 @@ from pathlib import Path
 import torch
 
 from megaformer.checkpoint.files import safe_torch_load
-from megaformer.checkpoint.format import TENSOR_KEYS, check_complete, model_file_name, model_files, rank_file_name
+from megaformer.checkpoint.format import (
+    TENSOR_KEYS,
+    check_complete,
+    model_file_name,
+    model_files,
+    optimizer_file_name,
+    rank_file_name,
+)
 from megaformer.config import TRAINING_ONLY_MODEL_SETTINGS, from_dict, to_dict
 from megaformer.errors import CheckpointError
 from megaformer.files import sha256_of
@@ -19,11 +26,16 @@ from megaformer.files import sha256_of
 
 
 def read_shard(step_dir: Path, meta: dict, name: str) -> dict:
-    """One file of a checkpoint, its sha256 checked against ``meta``."""
+    """One file of a checkpoint, its sha256 checked against ``meta``; a model file with the Adam moments of its
+    optimizer file, where the checkpoint has one (:func:`megaformer.checkpoint.files.write_shard`)."""
     entry = meta["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{step_dir}: meta.json lists no {name}")
-    return safe_torch_load(step_dir / name, entry["sha256"])
+    state = safe_torch_load(step_dir / name, entry["sha256"])
+    optim = optimizer_file_name(name)
+    if name.startswith("model-") and optim in meta["files"] and isinstance(state, dict):
+        state = {**state, **safe_torch_load(step_dir / optim, meta["files"][optim]["sha256"])}
+    return state
 
 
 def shard_info_of(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
@@ -34,19 +46,24 @@ def shard_info_of(model: torch.nn.Module) -> dict[str, tuple[int | None, int]]:
 
 
 def merged_state(
-    step_dir: Path, meta: dict, shard_info: dict[str, tuple[int | None, int]], keys: tuple[str, ...] = TENSOR_KEYS
+    step_dir: Path,
+    meta: dict,
+    shard_info: dict[str, tuple[int | None, int]],
+    keys: tuple[str, ...] = TENSOR_KEYS,
+    read: Callable[[str], dict] | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Every tensor of the checkpoint at its TP=1 shape; ``shard_info`` maps a name to (tp_dim, partitions).
 
-    The vocabulary's rows are cut to their TP=1 padding: a TP size that pads further (tp=3)
-    wrote more, which no other TP size could take.
+    ``read``: a model file's name -> its tensors (:func:`read_shard` by default; a located source's
+    readers, which hash nothing twice, where the caller has one). The vocabulary's rows are cut to
+    their TP=1 padding: a TP size that pads further (tp=3) wrote more, which no other TP size could take.
     """
     from megaformer.parallel.sharding import fit_vocab_rows, merge_shards
 
     rows = vocab_rows(meta, 1)
     out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
     for stage in model_files(meta):  # a pipelined run's stages hold disjoint sets of names
-        shards = [read_shard(step_dir, meta, name) for name in stage]
+        shards = [read(name) if read is not None else read_shard(step_dir, meta, name) for name in stage]
         for key in keys:
             for name in shards[0][key]:
                 dim, partitions = shard_info.get(name, (None, 1))

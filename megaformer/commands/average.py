@@ -21,10 +21,12 @@ from pathlib import Path
 from megaformer.checkpoint import (
     POINTERS,
     STEP_DIR,
+    CheckpointSource,
+    SourceCheck,
     average_checkpoints,
-    check_complete,
     checkpoint_root,
     last_checkpoints,
+    locate,
     resolve_checkpoint,
     save_consolidated,
 )
@@ -37,7 +39,7 @@ from megaformer.cli_args import (
     refuse_to_replace,
 )
 from megaformer.config import from_dict
-from megaformer.decode.translate import open_model
+from megaformer.decode.loading import load_model_file
 from megaformer.errors import CheckpointError, ConfigError
 from megaformer.export.write import made_by_export
 from megaformer.files import sha256_of
@@ -67,13 +69,14 @@ def _stderr(message: str) -> None:
     print(f"megaformer average: {message}", file=sys.stderr)
 
 
-def _run_paths(run_dir: str, last: int | None) -> list[Path]:
+def _run_paths(run_dir: str, last: int | None) -> list[CheckpointSource]:
     """The checkpoints of ``run_dir`` to average: ``last``, or the newest checkpoint's decode.average_last
-    (no more than the run keeps: its train.keep_last)."""
+    (no more than the run keeps: its train.keep_last); each verified once, as a source to read."""
+    check = SourceCheck()
     if last is not None:
-        return last_checkpoints(run_dir, last, log=_stderr)
-    newest = resolve_checkpoint(Path(run_dir), log=lambda m: None)  # skips are announced just below
-    cfg = from_dict(check_complete(newest)["config"])
+        return [check.source(p) for p in last_checkpoints(run_dir, last, log=_stderr, check=check)]
+    newest = resolve_checkpoint(Path(run_dir), log=lambda m: None, check=check)  # skips are announced just below
+    cfg = from_dict(check.found[newest].meta["config"])
     last, asked_by = cfg.decode.average_last, "the run's decode.average_last"
     if 0 < cfg.train.keep_last < last:
         _stderr(
@@ -81,7 +84,9 @@ def _run_paths(run_dir: str, last: int | None) -> list[Path]:
             f"(train.keep_last), decode.average_last asks for {last}"
         )
         last, asked_by = cfg.train.keep_last, "the run's train.keep_last"
-    return last_checkpoints(run_dir, last, log=_stderr, asked_by=asked_by)
+    found = check.found  # the steps verified already are not hashed again
+    paths = last_checkpoints(run_dir, last, log=_stderr, asked_by=asked_by, check=lambda d: d in found or check(d))
+    return [check.source(p) for p in paths]
 
 
 def _check_out(out: Path, paths: list[Path], force: bool) -> None:
@@ -117,6 +122,11 @@ def _refuse_twice(paths: list[Path]) -> None:
                 raise ConfigError(f"--ckpt {path}: {said}: it would weigh twice in the average")
 
 
+def _read(path: Path | CheckpointSource):
+    """The model at ``path``, located once (a run's steps are located already)."""
+    return load_model_file(path if isinstance(path, CheckpointSource) else locate(path, _stderr))
+
+
 def main(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         if STEP_DIR.match(Path(args.run_dir).name):
@@ -132,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
         paths = [Path(p) for p in args.ckpt]
         _refuse_twice(paths)
     _check_out(Path(args.out), paths, args.force)
-    model = average_checkpoints(paths, load=lambda p: open_model(p, "average")[0])
+    model = average_checkpoints(paths, load=_read)
     try:
         save_consolidated(args.out, model)
     except OSError as err:

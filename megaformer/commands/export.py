@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from megaformer.checkpoint.format import check_step_name
@@ -79,16 +78,8 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _resolve(ckpt: Path, log: Callable[[str], None]) -> Path:
-    """The step directory a run directory or a ``latest``/``best`` file names; any other ``ckpt`` as it is."""
-    from megaformer.checkpoint import POINTERS, resolve_checkpoint
-
-    if _is_run_dir(ckpt) or (ckpt.is_file() and ckpt.name in POINTERS):
-        return resolve_checkpoint(ckpt, log=log)
-    return ckpt
-
-
 def main(args: argparse.Namespace) -> int:
+    from megaformer.checkpoint import locate
     from megaformer.decode.loading import load_model_file
 
     out, ckpt = Path(args.out), Path(args.ckpt)
@@ -98,9 +89,10 @@ def main(args: argparse.Namespace) -> int:
     refuse_to_replace(
         "--out", out, args.force, made_by_export, "no megaformer-export.json, no megaformer model", foreign_to_export
     )
-    read = _resolve(ckpt, _stderr)  # an older checkpoint used is announced
+    source = locate(ckpt, _stderr)  # verified once; an older checkpoint used is announced
+    read = source.path
     check_not_input(out, ckpt, read)
-    model = load_model_file(read, log=_stderr)
+    model = load_model_file(source)
     check_step_name(out, model.meta.get("step"))  # not a step-N name that says another step
     if fmt in ("hf", "ct2"):  # a command prints its own one-line result, not transformers' progress bars
         from transformers.utils import logging as hf_logging

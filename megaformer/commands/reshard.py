@@ -32,11 +32,14 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def target_of(step_dir: Path, out: Path) -> Path:
-    """Where the resharded copy of ``step_dir`` goes; refuses anything that would replace or nest in a checkpoint."""
+def target_of(step_dir: Path, out: Path, step: int | None = None) -> Path:
+    """Where the resharded copy of ``step_dir`` (of ``step``: read from its meta.json if not given) goes; refuses
+    anything that would replace or nest in a checkpoint."""
     from megaformer.checkpoint import STEP_DIR, check_complete, check_step_name
 
-    check_step_name(out, check_complete(step_dir)["step"])  # --out RUN/checkpoints/step-99999999 of step 20
+    if step is None:
+        step = check_complete(step_dir)["step"]
+    check_step_name(out, step)  # --out RUN/checkpoints/step-99999999 of step 20
     if (out / "checkpoints").is_dir():  # a step beside checkpoints/ is read by nothing
         raise CheckpointError(
             f"--out {out}: is a run directory, whose checkpoints are read from {out / 'checkpoints'}: pass that "
@@ -57,10 +60,11 @@ def target_of(step_dir: Path, out: Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    from megaformer.checkpoint import reshard, resolve_checkpoint
+    from megaformer.checkpoint import locate, reshard
 
-    step_dir = resolve_checkpoint(Path(args.ckpt), log=_stderr)  # an older one is announced on stderr
-    target = target_of(step_dir, Path(args.out))
-    reshard(step_dir, target, args.tp, log=_stderr)  # written beside the target, renamed into place when complete
+    source = locate(Path(args.ckpt), log=_stderr, everything=True)  # verified once; an older one is announced
+    step_dir = source.path
+    target = target_of(step_dir, Path(args.out), source.meta["step"])
+    reshard(source, target, args.tp, log=_stderr)  # written beside the target, renamed into place when complete
     print(f"reshard: wrote {target} from {step_dir} for tp={args.tp}")
     return 0

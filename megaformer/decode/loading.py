@@ -3,49 +3,49 @@
 :func:`load_model_file` is the one place where the decode commands (and ``export``) read a
 model: a consolidated model file, a training checkpoint's step directory, a run directory
 (its newest complete checkpoint), or an export of ``megaformer export`` (safetensors file
-or directory, Hugging Face Marian directory), whose sha256 sums are checked.
+or directory, Hugging Face Marian directory), whose sha256 sums are checked. The path is
+located once (:func:`megaformer.checkpoint.locate`); a located source is read as it is.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 import sentencepiece as spm
 import torch
 
-from megaformer.checkpoint import STEP_DIR, Consolidated, consolidate, load_for_inference, resolve_checkpoint
+from megaformer.checkpoint import CheckpointSource, Consolidated, locate, read_model
 from megaformer.data.tokenizer import check_special_ids
 from megaformer.errors import CheckpointError
+from megaformer.logs import STDERR
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state
 
+LOG = logging.getLogger(__name__)
 
-def load_model_file(path: str | Path, log: Callable[[str], None] | None = None) -> Consolidated:
+
+def load_model_file(path: str | Path | CheckpointSource, log: Callable[[str], None] | None = None) -> Consolidated:
     """The TP-independent model at ``path``: model file, step directory, run directory, or an export.
 
-    Exports (:mod:`megaformer.export`) are read with safetensors and their sha256 checked:
-    a ``.safetensors`` file, a safetensors export directory, a Hugging Face Marian
-    directory written by ``megaformer export --format hf``. A run directory whose newest
-    checkpoint is damaged falls back to an older one, announced through ``log`` (stderr by
-    default). CheckpointError if ``path`` is missing, torn, damaged or of another kind.
+    ``path`` may be a source :func:`~megaformer.checkpoint.locate` found: its files verified
+    then are not hashed again. Exports (:mod:`megaformer.export`) are read with safetensors
+    and their sha256 checked: a ``.safetensors`` file, a safetensors export directory, a
+    Hugging Face Marian directory written by ``megaformer export --format hf``. A checkpoint's
+    weights are read alone, never its Adam moments. A run directory whose newest checkpoint
+    is damaged falls back to an older one, announced through ``log`` (stderr by default).
+    CheckpointError if ``path`` is missing, torn, damaged or of another kind.
     """
-    path = Path(path)
-    if log is None:
-        log = _to_stderr
-    exported = load_export(path)
-    if exported is not None:
-        return exported
-    if path.is_dir() and not STEP_DIR.match(path.name):
-        step_dir = resolve_checkpoint(path, log=log)  # says which step it skipped, and why
-        return consolidate(step_dir)
-    return load_for_inference(path, log=log)
+    source = path if isinstance(path, CheckpointSource) else locate(path, log or _to_stderr)
+    if source.kind == "export":
+        return load_export(source.path)
+    return read_model(source)
 
 
 def _to_stderr(message: str) -> None:
-    print(message, file=sys.stderr)
+    LOG.info(message, extra=STDERR)
 
 
 def load_export(path: Path) -> Consolidated | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -27,15 +28,19 @@ from pathlib import Path
 import sentencepiece as spm
 import torch
 
-from megaformer.checkpoint import Consolidated, resolve_checkpoint
+from megaformer.checkpoint import CheckpointSource, Consolidated, locate
 from megaformer.config import ParallelConfig
 from megaformer.data.corpus import not_text
 from megaformer.data.tokenizer import EOS_ID, PAD_ID
 from megaformer.decode.beam import Hypothesis, SearchSettings, search
 from megaformer.decode.loading import build_model, check_layout, load_model_file, load_tokenizer
 from megaformer.errors import ConfigError, DataError, MegaformerError
+from megaformer.logs import PROGRESS_ON_A_TERMINAL, STDERR, set_rank
+from megaformer.logs import configure as configure_logs
 from megaformer.model import Transformer
 from megaformer.parallel import LOCAL, ParallelContext
+
+LOG = logging.getLogger(__name__)
 
 # ---- text -----------------------------------------------------------------------------------
 
@@ -150,20 +155,17 @@ class TranslationProgress:
         if self.enabled and now - self.last >= 1.0 and done < self.total:
             self.last = now
             rate = done / max(now - self.start, 1e-9)
-            print(
+            LOG.info(
                 f"translated {done}/{self.total} sentences ({rate:.1f} sentences/s)",
-                end="\r" if self.tty else "\n",
-                file=sys.stderr,
-                flush=True,
+                extra=PROGRESS_ON_A_TERMINAL if self.tty else STDERR,
             )
 
     def close(self, done: int) -> float:
         seconds = time.monotonic() - self.start
         if self.enabled:
-            print(
+            LOG.info(
                 f"translated {done} sentence{'s' * (done != 1)} in {seconds:.1f} s ({done / max(seconds, 1e-9):.1f} sentences/s)",
-                file=sys.stderr,
-                flush=True,
+                extra=STDERR,
             )
         return seconds
 
@@ -195,15 +197,24 @@ def translate_ids(
 
 
 def _rank_main(
-    ckpt: str, sources: list[list[int]], settings: SearchSettings, max_tokens: int, tp: int, result: str, quiet: bool
+    ckpt: CheckpointSource,
+    sources: list[list[int]],
+    settings: SearchSettings,
+    max_tokens: int,
+    tp: int,
+    result: str,
+    quiet: bool,
 ) -> int:
-    """One TP rank of :func:`run_translation` (started by ``launcher.local.spawn``)."""
+    """One TP rank of :func:`run_translation` (started by ``launcher.local.spawn``): ``ckpt`` as the starting
+    process located and verified it, its files not hashed again unless they changed since."""
     from launcher.env import detect  # rank, local rank (distinct GPUs) and world size the launcher set
 
     info = detect()
+    configure_logs()  # at the level the starting process chose (its environment)
+    set_rank(info.rank)
     ctx = ParallelContext.initialize(ParallelConfig(tp=tp), info.rank, info.world_size, info.local_rank)
     try:
-        model = build_model(load_model_file(ckpt), ctx.tp, ctx.device, source=ckpt)
+        model = build_model(load_model_file(ckpt), ctx.tp, ctx.device, source=str(ckpt))
         progress = TranslationProgress(sum(1 for s in sources if s), enabled=ctx.is_main and not quiet)
         hyps = translate_ids(model, sources, settings, max_tokens, progress)
         seconds = progress.close(sum(1 for s in sources if s))
@@ -216,7 +227,7 @@ def _rank_main(
 
 
 def run_translation(
-    ckpt: str | Path,
+    ckpt: str | Path | CheckpointSource,
     model: Consolidated,
     sources: list[list[int]],
     settings: SearchSettings,
@@ -227,7 +238,8 @@ def run_translation(
     """Translate ``sources`` (ids + eos) with ``model`` at ``tp`` ranks; (hypotheses, seconds searching).
 
     tp = 1 searches in this process (on a GPU if there is one); tp > 1 starts tp local
-    processes that read ``ckpt`` again and return rank 0's result through a file.
+    processes that read the model from ``ckpt`` (a located source is handed to them as it is,
+    so that they hash nothing it verified) and return rank 0's result through a file.
     """
     if tp < 1:
         raise ConfigError(f"--tp must be at least 1, got {tp}")
@@ -241,9 +253,11 @@ def run_translation(
 
     from launcher.local import spawn  # the launcher is imported only when processes are started
 
+    if not isinstance(ckpt, CheckpointSource):
+        ckpt = locate(ckpt, log=_to_stderr)
     with tempfile.TemporaryDirectory(prefix="megaformer-translate-") as tmp:
         result = Path(tmp) / "result.json"
-        code = spawn(_rank_main, tp, str(ckpt), sources, settings, max_tokens, tp, str(result), quiet)
+        code = spawn(_rank_main, tp, ckpt, sources, settings, max_tokens, tp, str(result), quiet)
         if code == 130:  # Ctrl-C reached every rank, which stopped: the command was interrupted, nothing failed
             raise KeyboardInterrupt
         if code != 0 or not result.is_file():
@@ -254,7 +268,7 @@ def run_translation(
 
 
 def translate_text(
-    ckpt: str | Path,
+    ckpt: str | Path | CheckpointSource,
     model: Consolidated,
     lines: Sequence[str],
     settings: SearchSettings,
@@ -266,7 +280,7 @@ def translate_text(
 ) -> tuple[list[str], float]:
     """Detokenized translations of raw ``lines`` ('' for blank lines) and the seconds spent searching.
 
-    ``model`` is the file ``ckpt`` already read (:func:`load_model_file`); ``source``
+    ``model`` is what ``ckpt`` holds, already read (:func:`open_model`); ``source``
     names the input in error messages.
     """
     if max_tokens < 1:
@@ -279,14 +293,17 @@ def translate_text(
     return ["" if h is None else sp.decode(h.tokens) for h in hyps], seconds
 
 
-def open_model(path: str | Path, command: str) -> tuple[Consolidated, Path]:
-    """The model at ``path`` and what was read: the file, or the step directory a run directory resolves to.
+def open_model(path: str | Path, command: str) -> tuple[Consolidated, CheckpointSource]:
+    """The model at ``path`` and the source it was read from, located and verified once
+    (:func:`megaformer.checkpoint.locate`), to hand to :func:`translate_text`.
 
-    When the newest checkpoint of a run directory is damaged and an older one is used,
-    each skipped checkpoint and the one chosen are announced on stderr.
+    The source is a path too: the file as named, or the step directory a run directory
+    resolves to. When the newest checkpoint of a run directory is damaged and an older one
+    is used, each skipped checkpoint and the one chosen are announced on stderr.
     """
-    path = Path(path)
-    exported = (path / "megaformer-export.json").is_file()
-    if path.is_dir() and not exported:  # resolve_checkpoint says each skipped checkpoint and the older one it uses
-        path = resolve_checkpoint(path, log=lambda message: print(f"megaformer {command}: {message}", file=sys.stderr))
-    return load_model_file(path), path
+    source = locate(path, log=lambda message: LOG.info(f"megaformer {command}: {message}", extra=STDERR))
+    return load_model_file(source), source
+
+
+def _to_stderr(message: str) -> None:
+    LOG.info(message, extra=STDERR)

@@ -16,6 +16,9 @@ MEGAFORMER_TEST_FAULT holds one fault, ``what:rank=R:step=N``:
   (``time.perf_counter``), on every rank: a time budget's fits and cool-down come out the same
   whatever the machine's speed or load.
 
+MEGAFORMER_TEST_HASH_LOG names a file to which every call of ``megaformer.files.sha256_of`` in this process
+(and in the ranks it forks) appends one line, ``PID PATH``: how often each file is hashed, counted across processes.
+
 Nothing here is imported by megaformer itself: the hook wraps the trainer when it is imported.
 """
 
@@ -27,6 +30,7 @@ import sys
 import time
 
 SPEC = os.environ.get("MEGAFORMER_TEST_FAULT", "")
+HASH_LOG = os.environ.get("MEGAFORMER_TEST_HASH_LOG", "")
 
 
 def _parse(spec):
@@ -136,9 +140,22 @@ def _patch_checkpoint(module):
     module.atomic_torch_save = save_then_die
 
 
-PATCHES = {"megaformer.train.trainer": _patch_trainer}
+def _patch_files(module):
+    original = module.sha256_of
+
+    def logged_sha256_of(path):
+        with open(HASH_LOG, "a") as log:
+            log.write(f"{os.getpid()} {os.path.realpath(path)}\n")
+        return original(path)
+
+    module.sha256_of = logged_sha256_of
+
+
+PATCHES = {"megaformer.train.trainer": _patch_trainer} if SPEC else {}
 if SPEC.startswith("kill_in_save"):
     PATCHES = {"megaformer.checkpoint.save": _patch_checkpoint}
+if HASH_LOG:
+    PATCHES["megaformer.files"] = _patch_files
 
 
 class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -162,5 +179,5 @@ class _Hook(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         PATCHES[module.__name__](module)
 
 
-if SPEC:
+if PATCHES:
     sys.meta_path.insert(0, _Hook())
