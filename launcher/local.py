@@ -288,6 +288,41 @@ def unreported_kills(
     return [(seen[r] - EXIT_NEWS_LAG_S, r, line, line) for r, line in lines.items()]
 
 
+class _Forward:
+    """Passes SIGTERM / SIGINT / SIGUSR1 sent to the launcher on to every rank (they save and stop together),
+    instead of dying and leaving the ranks running; its handlers are installed when it is made.
+
+    One that comes while the ranks start (seconds: the fork server imports torch) is passed again
+    once all have started (:meth:`again`), so that none of them waits in the rendezvous for a
+    rank that never comes.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, procs: list[BaseProcess]) -> None:
+        self.procs = procs
+        self.received: list[int] = []
+        self.previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+
+    def __call__(self, signum: int, frame: object, record: bool = True) -> None:
+        if record:
+            self.received.append(signum)
+        for p in self.procs:
+            if p.is_alive() and p.pid is not None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:  # it exited (the fork server reaped it) before the launcher heard of it
+                    pass
+
+    def again(self) -> None:
+        for signum in dict.fromkeys(self.received):
+            self(signum, None, record=False)
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s: float | None = None) -> int:
     """Run ``fn(*args)`` in ``world_size`` new processes; return the first failing rank's exit status (128 + N if
     signal N killed it, as a shell says).
@@ -296,9 +331,23 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
     among the ranks so that N processes do not oversubscribe the cores. With
     ``timeout_s`` the ranks still running then are stopped (status 124).
     """
-    threads = max(1, (os.cpu_count() or 1) // world_size)
     held = reserve_port()  # until every rank has exited
-    port = held.getsockname()[1]
+    procs, errors = _processes(fn, world_size, held.getsockname()[1], args)
+    forward = _Forward(procs)
+    watch = _start(procs, forward)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, forward.previous)  # held by `train` until the ranks started
+    try:
+        worst, first_failed = _wait(procs, watch, forward, timeout_s)
+    finally:
+        running, killed = _stop(procs, watch, forward, mask)
+        held.close()
+    reports = _reports(errors)
+    return _status(procs, reports, running, killed, worst, first_failed, watch.seen, timeout_s)
+
+
+def _processes(fn: Callable[..., int | None], world_size: int, port: int, args: tuple) -> tuple[list[BaseProcess], Any]:
+    """The ranks' processes, not started, forked from the fork server; and the queue of their failure reports."""
+    threads = max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     errors = ctx.Queue()
@@ -307,23 +356,11 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
         ctx.Process(target=_entry, args=(fn, rank, world_size, port, threads, args, errors, parent), daemon=False)
         for rank in range(world_size)
     ]
-    # Pass SIGTERM / SIGINT / SIGUSR1 sent to this launcher on to every rank (they save and
-    # stop together), instead of dying and leaving the ranks running. One that comes while the
-    # ranks start (seconds: the fork server imports torch) is passed again once all have started,
-    # so that none of them waits in the rendezvous for a rank that never comes.
-    forwarded = []
+    return procs, errors
 
-    def forward(signum, frame, record=True):
-        if record:
-            forwarded.append(signum)
-        for p in procs:
-            if p.is_alive() and p.pid is not None:
-                try:
-                    os.kill(p.pid, signum)
-                except ProcessLookupError:  # it exited (the fork server reaped it) before the launcher heard of it
-                    pass
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+def _start(procs: list[BaseProcess], forward: _Forward) -> ExitWatch:
+    """Start every rank and watch it from then on; a signal that came meanwhile is passed on again."""
     watch = ExitWatch()
     try:
         for p in procs:
@@ -331,63 +368,90 @@ def spawn(fn: Callable[..., int | None], world_size: int, *args: Any, timeout_s:
             watch.add(p)
     except BaseException:
         watch.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        forward.restore()
         raise
-    for signum in dict.fromkeys(forwarded):
-        forward(signum, None, record=False)
-    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)  # held by `train` until the ranks started
+    forward.again()
+    return watch
+
+
+def _wait(
+    procs: list[BaseProcess], watch: ExitWatch, forward: _Forward, timeout_s: float | None
+) -> tuple[int, list[int]]:
+    """Wait until every rank exited, one failed or the time limit passed: (the status seen first, the ranks seen
+    failed then). After a forwarded signal all may finish: one rank failing then does not stop the others."""
     deadline = time.monotonic() + timeout_s if timeout_s is not None else float("inf")
-    worst, first_failed = 0, []
+    while True:
+        watch.look()
+        done = not any(p.is_alive() for p in procs)  # before `failed`: a rank failing between the two is seen
+        failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        # After a forwarded signal: let all finish. Under load, every rank may have exited (the killed one,
+        # then its peers) before the launcher looks again: their failures are read the same way.
+        if failed and not forward.received:
+            return procs[failed[0]].exitcode, failed
+        if done:
+            return 0, []
+        if time.monotonic() > deadline:
+            return (procs[failed[0]].exitcode, failed) if failed else (124, [])
+        time.sleep(POLL_S)
+
+
+def _stop(
+    procs: list[BaseProcess], watch: ExitWatch, forward: _Forward, mask: set[signal.Signals]
+) -> tuple[set[int], set[int]]:
+    """The launcher's signal handling put back, then the ranks still running stopped: SIGTERM, and SIGKILL for
+    one still there 15 s later. Returns (the ranks sent SIGTERM, those killed)."""
     try:
-        while True:
-            watch.look()
-            done = not any(p.is_alive() for p in procs)  # before `failed`: a rank failing between the two is seen
-            failed = [rank for rank, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            # After a forwarded signal: let all finish. Under load, every rank may have exited (the killed one,
-            # then its peers) before the launcher looks again: their failures are read the same way.
-            if failed and not forwarded:
-                worst, first_failed = procs[failed[0]].exitcode, failed
-                break
-            if done:
-                break
-            if time.monotonic() > deadline:
-                worst, first_failed = (procs[failed[0]].exitcode, failed) if failed else (124, [])
-                break
-            time.sleep(POLL_S)
+        # Running by both: the watch sees an exit before the fork server tells of it (no signal then to a pid
+        # that may soon be another process's), and the fork server answers where the watch has nothing to read.
+        running = {rank for rank, p in enumerate(procs) if p.is_alive() and watch.running(rank)}
     finally:
-        try:
-            # Running by both: the watch sees an exit before the fork server tells of it (no signal then to a pid
-            # that may soon be another process's), and the fork server answers where the watch has nothing to read.
-            running = {rank for rank, p in enumerate(procs) if p.is_alive() and watch.running(rank)}
-        finally:
-            watch.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for rank in running:
-            procs[rank].terminate()
-        killed = set()
-        for rank, p in enumerate(procs):
-            p.join(timeout=15)  # a rank blocked in a collective, or one that traps SIGTERM to save
-            if p.is_alive():
-                p.kill()
-                p.join()
-                killed.add(rank)
-        held.close()
-    codes = [p.exitcode for p in procs]
-    sent = {rank: -signal.SIGTERM for rank in running} | {rank: -signal.SIGKILL for rank in killed}
-    stopped = {rank for rank, code in sent.items() if codes[rank] == code}  # died of what the launcher sent
+        watch.close()
+    forward.restore()
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    for rank in running:
+        procs[rank].terminate()
+    killed = set()
+    for rank, p in enumerate(procs):
+        p.join(timeout=15)  # a rank blocked in a collective, or one that traps SIGTERM to save
+        if p.is_alive():
+            p.kill()
+            p.join()
+            killed.add(rank)
+    return running, killed
+
+
+def _reports(errors: Any) -> list[tuple[float, int, str, str]]:
+    """The failure reports the ranks sent: (time, rank, the full message, its first line)."""
     reports = []
     while True:
         try:
             reports.append(errors.get(timeout=0.2))
         except queue.Empty:
-            break
+            return reports
+
+
+def _status(
+    procs: list[BaseProcess],
+    reports: list[tuple[float, int, str, str]],
+    running: set[int],
+    killed: set[int],
+    worst: int,
+    first_failed: list[int],
+    seen: list[float],
+    timeout_s: float | None,
+) -> int:
+    """The failures printed (the first failing rank's last) and the launcher's exit status.
+
+    ``worst`` and ``first_failed``: what :func:`_wait` saw first; ``running`` and ``killed``:
+    the ranks :func:`_stop` sent SIGTERM and SIGKILL; ``seen``: when each rank was last seen running.
+    """
+    codes = [p.exitcode for p in procs]
+    sent = {rank: -signal.SIGTERM for rank in running} | {rank: -signal.SIGKILL for rank in killed}
+    stopped = {rank for rank, code in sent.items() if codes[rank] == code}  # died of what the launcher sent
     # The first failure's suspects: the ranks that poll found failed, and any that died before the launcher
     # signalled them (a late notice of the exit); not one that crashed while the launcher stopped it.
     suspects = sorted(set(first_failed) | ({r for r, c in enumerate(codes) if c} - running)) if first_failed else []
-    reports += unreported_kills(suspects, codes, reports, watch.seen)
+    reports = reports + unreported_kills(suspects, codes, reports, seen)
     why = f" at its {timeout_s:g} s time limit" if worst == 124 else ""
     report_failures(reports, codes, stopped=stopped, why=why, log=lambda line: print(line, file=sys.stderr, flush=True))
     if worst == 0:

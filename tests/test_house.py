@@ -1,7 +1,8 @@
 """The house rules that code can check: layers, sizes, where argparse lives, the README's length.
 
 The layers (``docs/design.md``, "Layers, and who may import whom"), from the bottom up;
-an import may only go to its own layer or one below, and the packages form no circle.
+an import may only go to its own layer or one below, the packages form no circle, and
+neither do the modules (their imports at import time and those for types alike).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megaformer"
+LAUNCHER = ROOT / "launcher"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megaformer", "megaformer.errors", "megaformer.files", "megaformer.lazy"),
+    ("megaformer", "megaformer.errors", "megaformer.files", "megaformer.lazy", "megaformer.logs"),
     ("megaformer.config",),
     ("megaformer.parallel",),
     ("megaformer.data", "megaformer.model", "megaformer.layout_cost"),
@@ -67,6 +69,46 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
+
+
+def _module_level_imports(tree: ast.Module, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` a file imports when it is imported or type-checked: its top level, ``if
+    TYPE_CHECKING:`` and ``try:`` blocks and class bodies included, function bodies (imports on first use) not."""
+    found: set[str] = set()
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:  # `from megaformer import checkpoint`: the submodule; else the module named
+                sub = f"{node.module}.{a.name}"
+                found |= {sub} if sub in modules else {node.module} & modules
+        else:
+            todo += list(ast.iter_child_nodes(node))
+    return found
+
+
+def test_the_modules_import_no_circle_type_only_imports_included():
+    """Two modules that import each other (even one only for a type, under ``TYPE_CHECKING``) are one concept
+    split in two, or a helper in the wrong one: the shared part goes to a third module that both import."""
+    paths = {_module_name(p): p for p in [*_sources(), *sorted(LAUNCHER.rglob("*.py"))]}
+    graph = {m: _module_level_imports(ast.parse(p.read_text(), str(p)), set(paths)) - {m} for m, p in paths.items()}
+    circles = []
+    for start in sorted(graph):
+        path, seen, todo = {start: [start]}, set(), [start]
+        while todo:  # breadth first: the shortest way back to ``start``
+            here = todo.pop(0)
+            for nxt in sorted(graph[here]):
+                if nxt == start and min(path[here]) == start:  # each circle once, from its smallest module
+                    circles.append(" -> ".join([*path[here], start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    path[nxt] = [*path[here], nxt]
+                    todo.append(nxt)
+    assert not circles, "\n".join(circles)
 
 
 def test_imports_only_go_down_the_layers():
@@ -129,7 +171,7 @@ def test_argparse_lives_only_in_commands_and_the_cli():
 
 def test_files_and_functions_stay_small():
     too_big = []
-    for path in _sources():
+    for path in [*_sources(), *sorted(LAUNCHER.rglob("*.py"))]:
         text = path.read_text()
         if (lines := text.count("\n")) > MAX_FILE_LINES:
             too_big.append(f"{path.relative_to(ROOT)}: {lines} lines (at most {MAX_FILE_LINES})")
@@ -144,6 +186,10 @@ def test_files_and_functions_stay_small():
 def test_the_readme_is_a_manual_of_at_most_250_lines():
     readme = (ROOT / "README.md").read_text()
     assert readme.count("\n") <= MAX_README_LINES
+    wide = [
+        f"README.md:{n}: {len(line)} characters" for n, line in enumerate(readme.splitlines(), 1) if len(line) > 120
+    ]
+    assert not wide, wide  # lines a person can read
     assert "make test" in readme  # the test command CI runs
     assert (ROOT / "docs" / "results.md").is_file()  # where the run logs went
 

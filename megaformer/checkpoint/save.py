@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from megaformer.checkpoint.format import (
-    CHECKPOINT_FORMAT,
     model_file_name,
     prune,
     rank_file_name,
     step_dir_name,
     write_best,
 )
+from megaformer.checkpoint.meta import compose
 from megaformer.errors import CheckpointError
 from megaformer.files import PATH_ERRNOS, atomic_torch_save, atomic_write_text, path_refusal, sha256_of
 
@@ -36,6 +36,7 @@ class CheckpointState:
     ``run``: states equal on every rank (engine counters, trainer), written once;
     ``replica``: states that differ between ranks but are small (the data feed), every
     rank's kept in meta.json; ``rank``: this rank's own bulky state (the torch RNG).
+    Each place maps a component's name to its state (``shard``: the one sharded component's tensors).
     """
 
     shard: dict[str, dict[str, torch.Tensor]]
@@ -92,23 +93,14 @@ def save_checkpoint(
         replicas = [state.replica]
     _barrier(ctx)  # every shard is on disk
     if ctx.is_main:
+        extra = dict(meta)
+        stages = extra.pop("stages", None)
+        best = extra.pop("best", False)  # name this step in root/best (kept by prune)
         layout = {"tp": ctx.layout.tp, "dp": ctx.layout.dp, "pp": ctx.pp_size, "world": ctx.layout.world_size}
-        meta = dict(meta)
-        stages = meta.pop("stages", None)
-        best = meta.pop("best", False)  # name this step in root/best (kept by prune)
         if stages is not None:
             layout["stages"] = stages
-        full_meta = {
-            **meta,
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "layout": layout,
-            "rank_layout": layout,  # the layout of rank files and replicas (kept by reshard)
-            "run": state.run,
-            "replicas": replicas,
-        }
         with _writing(tmp):
-            _publish(tmp, final, full_meta, tokenizer)
+            _publish(tmp, final, compose(extra, step, layout, state.run, replicas), tokenizer)
             if best:
                 write_best(root, final)
             prune(root, keep_last)

@@ -8,12 +8,12 @@ checkpoint path, not only the checkpoint that every other command calls ``--ckpt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megaformer.checkpoint.format import POINTERS, checkpoint_root, list_checkpoints, read_pointer
+from megaformer.checkpoint.meta import read_meta, saved_streams, slurm_job_of
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
@@ -165,17 +165,17 @@ def _planned_streams(run_dir: Path, resume: str, dp: int) -> int | None:
         steps = [source] if (source / "meta.json").is_file() else list_checkpoints(checkpoint_root(source))
         if not steps:
             return dp if resume == "auto" else None
-        saved = json.loads((steps[0] / "meta.json").read_text())["replicas"][0]["feed"]["streams"]
-    except (OSError, ValueError, LookupError, TypeError):
+        saved = saved_streams(read_meta(steps[0]))
+    except (OSError, ValueError):
         return None
-    return stream_count(saved, dp) if isinstance(saved, int) and saved > 0 else None
+    return stream_count(saved, dp) if saved is not None else None
 
 
 def _saved_by(step_dir: Path, job: str | None) -> bool:
     """Whether SLURM job ``job`` saved ``step_dir`` (its meta.json says so; read with json alone: no torch here)."""
     try:
-        return job is not None and json.loads((step_dir / "meta.json").read_text()).get("slurm_job") == job
-    except (OSError, ValueError, AttributeError):
+        return job is not None and slurm_job_of(read_meta(step_dir)) == job
+    except (OSError, ValueError):
         return False
 
 

@@ -229,7 +229,7 @@ class Engine(EngineState):
             # the bf16 gradients of the previous micro-batch, which are already in its fp32 sums: without it
             # micro-batch k was counted (accumulation - k) times.
             prologue = getattr(self.ds.optimizer, "backward_prologue", None)
-            if uses_zero(self) and callable(prologue):
+            if uses_zero(self.ds) and callable(prologue):
                 prologue()
             self.ds.backward(loss, scale_wrt_gas=scale_wrt_gas)
 
@@ -259,7 +259,7 @@ class Engine(EngineState):
     def note_grad_norm(self) -> None:
         """Without ZeRO DeepSpeed keeps no norm (with clipping it computes one and drops it): compute it, unread,
         so that a non-finite gradient stops the run (call after the last backward)."""
-        if uses_zero(self):
+        if uses_zero(self.ds):
             return
         grads = [(p.grad.detach(), tp_dim(p) is not None) for p in self.module.parameters() if p.grad is not None]
 
@@ -289,11 +289,11 @@ class Engine(EngineState):
         scaler = getattr(self.ds.optimizer, "loss_scaler", None)
         fields = {k: getattr(scaler, k) for k in LOSS_SCALER_FIELDS if scaler is not None and hasattr(scaler, k)}
         return {
-            "tensors": export_tensors(self),
+            "tensors": export_tensors(self.ds),
             "counters": {
                 "global_steps": self.ds.global_steps,
                 "skipped_steps": self.ds.skipped_steps,
-                "optimizer_steps": optimizer_step_count(inner_optimizer(self)),
+                "optimizer_steps": optimizer_step_count(inner_optimizer(self.ds)),
                 "loss_scaler": {k: (v.item() if torch.is_tensor(v) else v) for k, v in fields.items()},
                 **self.schedule_counters(),
             },
@@ -302,7 +302,7 @@ class Engine(EngineState):
     def load_state_dict(self, state: dict) -> None:
         """Load :meth:`state_dict` (tensors at this rank's TP shape) into the model, optimizer and DeepSpeed."""
         counters = state["counters"]
-        import_tensors(self, state["tensors"], counters["optimizer_steps"])
+        import_tensors(self.ds, state["tensors"], counters["optimizer_steps"])
         ds = self.ds
         ds.global_steps, ds.skipped_steps = counters["global_steps"], counters["skipped_steps"]
         ds.global_samples = counters["global_steps"] * self.accumulation * self.ctx.dp_size

@@ -23,7 +23,7 @@ from megaformer.config import Config, TrainConfig
 from megaformer.train.schedule import Cooldown, InverseSqrtSchedule
 
 if TYPE_CHECKING:
-    from megaformer.train.engine import Engine
+    from deepspeed import DeepSpeedEngine
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -110,14 +110,14 @@ class EngineState:
         self.set_cooldown(cooldown_of(counters.get("cooldown")))  # also sets the lr to the step count's
 
 
-def inner_optimizer(engine: Engine) -> torch.optim.Optimizer:
+def inner_optimizer(ds: DeepSpeedEngine) -> torch.optim.Optimizer:
     """The optimizer that holds Adam's state (inside DeepSpeed's ZeRO wrapper, if any)."""
-    opt = engine.ds.optimizer
+    opt = ds.optimizer
     return getattr(opt, "optimizer", opt)
 
 
-def uses_zero(engine: Engine) -> bool:
-    return engine.ds.zero_optimization_stage() > 0
+def uses_zero(ds: DeepSpeedEngine) -> bool:
+    return ds.zero_optimization_stage() > 0
 
 
 def _steps_in_groups(opt: torch.optim.Optimizer) -> bool:
@@ -165,26 +165,26 @@ def set_optimizer_step_count(opt: torch.optim.Optimizer, step: int) -> None:
                 state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)
 
 
-def export_tensors(engine: Engine) -> dict[str, dict[str, torch.Tensor]]:
+def export_tensors(ds: DeepSpeedEngine) -> dict[str, dict[str, torch.Tensor]]:
     """fp32 master weights and Adam moments of every parameter, at this rank's TP shape, complete over DP."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out: dict[str, dict[str, torch.Tensor]] = {"param": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for name, p in engine.module.named_parameters():
-        if uses_zero(engine):
+    for name, p in ds.module.named_parameters():
+        if uses_zero(ds):
             out["param"][name] = safe_get_full_fp32_param(p).detach().float().cpu()
             for key in ADAM_KEYS:
                 out[key][name] = safe_get_full_optimizer_state(p, key).detach().float().cpu()
         else:
             out["param"][name] = host_copy(p)
-            state = inner_optimizer(engine).state[p]
+            state = inner_optimizer(ds).state[p]
             for key in ADAM_KEYS:
                 value = state.get(key)
                 out[key][name] = torch.zeros_like(out["param"][name]) if value is None else host_copy(value)
     return out
 
 
-def import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+def import_tensors(ds: DeepSpeedEngine, tensors: dict[str, dict[str, torch.Tensor]], step: int) -> None:
     """Weights and moments into the model and the optimizer; Adam's step count and the schedule to ``step``.
 
     ZeRO links each parameter to its fragment of the flat optimizer state only after
@@ -193,15 +193,15 @@ def import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]], 
     """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    inner = inner_optimizer(engine)
+    inner = inner_optimizer(ds)
     set_optimizer_step_count(inner, step)
-    if hasattr(engine.ds.optimizer, "_lazy_init_hp_params_optimizer_state"):
-        engine.ds.optimizer._lazy_init_hp_params_optimizer_state()
-    for name, p in engine.module.named_parameters():
+    if hasattr(ds.optimizer, "_lazy_init_hp_params_optimizer_state"):
+        ds.optimizer._lazy_init_hp_params_optimizer_state()
+    for name, p in ds.module.named_parameters():
         value = tensors["param"][name].to(p.device)
         with torch.no_grad():
             p.copy_(value.to(p.dtype))
-        if uses_zero(engine):
+        if uses_zero(ds):
             safe_set_full_fp32_param(p, value)
             for key in ADAM_KEYS:
                 safe_set_full_optimizer_state(p, tensors[key][name].to(p.device), key)
@@ -210,7 +210,7 @@ def import_tensors(engine: Engine, tensors: dict[str, dict[str, torch.Tensor]], 
             for key in ADAM_KEYS:
                 state[key] = tensors[key][name].to(p.device, torch.float32).clone()
     # The scheduler follows the successful optimizer steps.
-    rewind_schedule(engine.ds.lr_scheduler, step)
+    rewind_schedule(ds.lr_scheduler, step)
 
 
 def rewind_schedule(sched: torch.optim.lr_scheduler.LambdaLR, steps: int) -> None:

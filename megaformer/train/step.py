@@ -21,6 +21,7 @@ from megaformer.pipeline.schedule import Pipeline, PipeMicroBatch
 from megaformer.pipeline.stage import StageBatch
 from megaformer.train.engine import Engine
 from megaformer.train.feed import DataFeed, MicroBatch
+from megaformer.train.signals import NONE, REQUEUE, TERMINATE
 
 
 def world_sum(ctx: ParallelContext, values: list[float], on_device: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
@@ -125,6 +126,28 @@ class StepFlags:
     def any_of(cls, summed: list[float]) -> StepFlags:
         """The flags from their world sums: set where any rank set it."""
         return cls(*(value > 0 for value in summed))
+
+    @property
+    def signal(self) -> int:
+        """The signal said: TERMINATE (TERM or INT wins over USR1), REQUEUE (USR1) or NONE."""
+        return TERMINATE if self.term else REQUEUE if self.usr1 else NONE
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A step as every rank sees it after the step's all-reduce: what the loop validates, saves and stops on."""
+
+    step: int
+    signal: int = NONE  # any rank's: REQUEUE (SIGUSR1) or TERMINATE (SIGTERM, SIGINT, the launcher gone)
+    end: str | None = None  # the run's bound reached at this step: "time limit" or "cool-down"
+    save_due: bool = False  # train.save_minutes passed by some rank's clock
+    final: bool = False  # the step is train.max_steps
+    stopped_by: str = "SIGTERM"  # what a TERMINATE came from, as this rank heard it (the save's reason)
+
+    @property
+    def last(self) -> bool:
+        """The run's last step, not cut short by a signal: it is validated before its save."""
+        return self.signal == NONE and (self.end is not None or self.final)
 
 
 class Window:

@@ -7,10 +7,11 @@ and averages over DP, so the update is the gradient of the mean loss per target 
 of the whole step: two micro-batches give exactly the update of one double batch, and
 ranks with more tokens weigh more, as they should.
 
-The trainer is one of the stateful components (with the engine and the data feed): its
-own state is the tokens and training time so far and the best validation BLEU;
-:meth:`Trainer.save` hands every component's state to :mod:`megaformer.checkpoint`,
-which places and writes them.
+The trainer is one of the stateful components (with the engine, the data feed and torch's
+RNG): its own state is the tokens and training time so far and the best validation BLEU.
+Each is registered once with the :class:`~megaformer.train.checkpointer.Checkpointer`,
+which saves them when its schedule says so and loads them at a resume; the run's length
+as it goes (the fitted warm-up, the cool-down) is :class:`~megaformer.train.pace.Pace`'s.
 
 Validation (every ``train.eval_interval`` steps, and at the last step) computes the loss over the valid split
 and greedy BLEU on its first ``train.eval_bleu_sentences`` sentences (:class:`megaformer.train.validation.Validation`).
@@ -21,35 +22,48 @@ in ``RUN/checkpoints/best``, which pruning keeps, as fairseq's ``--eval-bleu`` k
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megaformer import checkpoint as ckpt
+from megaformer.checkpoint import meta as schema
 from megaformer.config import Config, dump_config, to_dict
 from megaformer.data.batching import plan_step, stream_count
-from megaformer.data.manifest import manifest_path, read_manifest
-from megaformer.data.stream import TokenBatchStream, open_prepared
-from megaformer.data.tokenizer import PAD_ID
-from megaformer.errors import CheckpointError, ConfigError, TrainingError
+from megaformer.data.stream import TokenBatchStream
+from megaformer.errors import TrainingError
 from megaformer.info import model_info
-from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.parallel.stages import plan_stages
 from megaformer.pipeline.schedule import Pipeline
-from megaformer.train.budget import BudgetPlan, compile_choice, nothing_left_to_train
-from megaformer.train.device import configure_math, cpu_bf16_missing, host_memory, require_cpp_compiler
+from megaformer.train.build import adopt_data, build_model, resume_point
+from megaformer.train.checkpointer import RANK, REPLICA, RUN, SHARD, Checkpointer, TorchRNG
+from megaformer.train.device import configure_math, host_memory
 from megaformer.train.engine import build_engine
 from megaformer.train.engine_state import cooldown_of
 from megaformer.train.feed import DataFeed
 from megaformer.train.metrics import MetricsLogger, Peak, device_peak_flops, peak_source
+from megaformer.train.pace import Pace
 from megaformer.train.profile import StepProfiler
-from megaformer.train.schedule import cooldown_start, cooldown_time_reached
-from megaformer.train.signals import NONE, REQUEUE, TERMINATE, SignalWatch, requeue
-from megaformer.train.step import StepFlags, Window, accumulate, pipeline_step, world_sum
-from megaformer.train.unused import settings_without_effect
+from megaformer.train.schedule import cooldown_time_reached
+from megaformer.train.signals import REQUEUE, TERMINATE, SignalWatch, requeue
+from megaformer.train.step import Outcome, StepFlags, Window, accumulate, pipeline_step, world_sum
 from megaformer.train.validation import Validation
+
+
+@dataclass
+class Loop:
+    """What one :meth:`Trainer.train` holds while it runs: the metrics, the signal watch, the profiler, the log
+    window, the step it began at and why nothing is left to train (None: something is)."""
+
+    logger: MetricsLogger
+    watch: SignalWatch
+    profiler: StepProfiler
+    start_step: int
+    nothing_left: str | None
+    window: Window = field(default_factory=Window)
 
 
 class Trainer:
@@ -64,9 +78,9 @@ class Trainer:
     ) -> None:
         self.cfg, self.ctx, self.run_dir, self.slurm_job = cfg, ctx, Path(run_dir), slurm_job
         self.log = print if ctx.is_main else (lambda *a, **k: None)
-        manifest = self._adopt_data()
+        manifest, self.tokenizer, self.has_valid = adopt_data(cfg, self.log)
 
-        self.start_dir = self._resume_point(resume)
+        self.start_dir = resume_point(resume, self.run_dir, self.log)
         saved = ckpt.check_complete(self.start_dir) if self.start_dir else None
         if saved:  # refused before config.yaml is written: the run directory keeps the settings it was trained with
             ckpt.check_same_model(self.start_dir, saved, cfg.model)
@@ -81,8 +95,9 @@ class Trainer:
             self.log(f"train: {pages}")
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
         self.stages = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)
-        self.model = self._build_model()
-        streams = stream_count(saved["replicas"][0]["feed"]["streams"] if saved else None, ctx.dp_size)
+        self.model = build_model(cfg, ctx, self.rng, self.stages[ctx.pp_rank], self.log)
+        saved_streams = schema.require_streams(self.start_dir, saved) if saved else None
+        streams = stream_count(saved_streams, ctx.dp_size)
         # The step stays within 10 % of train.tokens_per_step at any DP size (smaller micro-batches if needed).
         self.plan = plan_step(t.tokens_per_step, streams, cfg.data.max_tokens, cfg.data.max_len + 1)
         self.feed = DataFeed(
@@ -98,59 +113,18 @@ class Trainer:
         flops = world_sum(self.ctx, [device_peak_flops(ctx.device, t.precision, t.peak_tflops)]).item()
         self.peak = Peak(flops, peak_source(ctx.device, t.peak_tflops), ctx.layout.world_size)
         self.tokens, self.train_seconds, self.world_seconds = 0, 0.0, 0.0
-        self.budget = BudgetPlan(t.max_minutes, t.max_steps, t.warmup_fraction, t.warmup_steps)
-        self._warmup_said: int | None = None  # the fitted warm-up last logged; None again once its end is
         self.best_bleu: float | None = None  # the best validation BLEU so far
         self._validated = -1  # the last step validated (a resume with nothing left does not repeat it)
         self.validation = Validation(cfg, ctx, self.model, self.pipeline, self._stream, self.has_valid, self.log)
+        self.pace = Pace(self.engine, t, self.log)
+        self.checkpointer = self._checkpointer()
         if saved:
-            self._load(self.start_dir)
+            self._resume(self.start_dir, saved_streams)
         if self.pipeline is not None:
             self.pipeline.sync_embedding()
         self._describe(streams)
 
     # ---- set-up ---------------------------------------------------------------------------
-
-    def _adopt_data(self) -> dict:
-        """The prepared data's manifest; its vocabulary and direction become the run's (``cfg.data``)."""
-        cfg = self.cfg
-        if not cfg.data.path:
-            raise ConfigError("data.path is empty: set it to a directory written by `megaformer prepare`")
-        manifest = read_manifest(manifest_path(cfg.data.path))
-        if idle := settings_without_effect(cfg, int(manifest["tokenizer"]["vocab_size"])):
-            self.log(f"train: without effect in this run: {'; '.join(idle)}")
-        cfg.data.vocab_size = int(manifest["tokenizer"]["vocab_size"])  # the data's, as its direction:
-        cfg.data.src_lang, cfg.data.tgt_lang = manifest["src_lang"], manifest["tgt_lang"]
-        self.tokenizer = open_prepared(cfg.data.path, "train").tokenizer_path
-        self.has_valid = "valid" in manifest["splits"]
-        return manifest
-
-    def _build_model(self) -> Transformer:
-        """This rank's part of the model (its pipeline stage, its TP shard) on the run's device, compiled if asked."""
-        cfg, ctx, t = self.cfg, self.ctx, self.cfg.train
-        model = Transformer(
-            cfg.model,
-            cfg.data.vocab_size,
-            ctx.tp,
-            self.rng,
-            seed=t.seed,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            vocab_multiple=cfg.parallel.vocab_multiple,
-            pad_to_multiple=cfg.parallel.pad_to_multiple,
-            pad_id=PAD_ID,
-            part=self.stages[ctx.pp_rank],
-        ).to(ctx.device)
-        native_bf16 = ctx.device.type != "cpu" or cpu_bf16_missing() is None
-        compiled, why = compile_choice(t.compile, ctx.device, t.precision, t.max_minutes, native_bf16)
-        if compiled:
-            if ctx.device.type == "cpu":
-                require_cpp_compiler()
-            model.compile_layers()
-        self.log(
-            f"train: {why}"
-            + ("; the encoder and decoder layers run compiled (the first steps compile them)" if compiled else "")
-        )
-        return model
 
     def _describe(self, streams: int) -> None:
         """The run's shape in one line: size, layout, precision, micro-batches, run directory."""
@@ -165,14 +139,6 @@ class Trainer:
             f"~{self.plan.tokens_per_step:,} tokens per step), run dir {self.run_dir}"
         )
         self.log(f"train: {self.peak.describe()}")
-
-    def _resume_point(self, resume: str) -> Path | None:
-        if resume != "auto":
-            return None if resume == "none" else ckpt.resolve_checkpoint(resume, log=self.log)
-        found = ckpt.find_latest(self.run_dir, log=self.log)
-        if found is None:
-            self.log(f"train: no checkpoint under {self.run_dir}, starting from scratch")
-        return found
 
     def _stream(self, index: int, count: int, split: str = "train") -> TokenBatchStream:
         """Training batches are cut to the step plan's size; validation batches to ``data.max_tokens``."""
@@ -190,6 +156,30 @@ class Trainer:
 
     # ---- state ------------------------------------------------------------------------------
 
+    def _checkpointer(self) -> Checkpointer:
+        """The checkpointer of ``RUN/checkpoints``, every stateful component registered (loaded in this order)."""
+        stages = [len(p.encoder) + len(p.decoder) for p in self.stages] if self.ctx.pp_size > 1 else None
+        checkpointer = Checkpointer(
+            self.ctx,
+            self.run_dir / "checkpoints",
+            self.cfg.train,
+            stages,
+            self._meta_of_run,
+            self.slurm_job,
+            self.tokenizer,
+            self.log,
+            clock=time.monotonic,
+        )
+        checkpointer.register("engine", self.engine, SHARD)  # weights, Adam, counters, the lr schedule
+        checkpointer.register("trainer", self, RUN)  # after the engine: an old trainer state holds a cool-down
+        checkpointer.register(schema.FEED, self.feed, REPLICA)
+        checkpointer.register("torch_rng", TorchRNG(), RANK)
+        return checkpointer
+
+    def _meta_of_run(self) -> dict:
+        """What a checkpoint's meta.json says of the run beside the states."""
+        return {"tokens": self.tokens, "vocab_size": self.cfg.data.vocab_size, "config": to_dict(self.cfg)}
+
     def state_dict(self) -> dict:
         """The trainer's own state: target tokens, training seconds, the best validation BLEU so far
         (None before the first) and the last step validated (the step and the lr schedule are the engine's)."""
@@ -204,71 +194,25 @@ class Trainer:
         if state.get("cooldown") is not None:  # checkpoints of before the cool-down moved to the engine's state
             self.engine.set_cooldown(cooldown_of(state["cooldown"]))
 
-    def _load(self, step_dir: Path) -> None:
-        loaded = ckpt.load_checkpoint(step_dir, self.ctx, self.model, self._stage_counts())
-        try:
-            self.engine.load_state_dict({"tensors": loaded.shard, "counters": loaded.run["engine"]})
-            self.load_state_dict(loaded.run["trainer"])
-        except (KeyError, TypeError, ValueError, IndexError) as err:
-            raise CheckpointError(
-                f"{step_dir / 'meta.json'}: run.engine or run.trainer is malformed ({type(err).__name__}: {err}); "
-                f"resume from another checkpoint"
-            ) from None
+    def _resume(self, step_dir: Path, saved_streams: int) -> None:
+        """Every registered state from ``step_dir``; then what the resume changes, each said in a line."""
+        meta = self.checkpointer.load(step_dir, self.model)
         if (cooldown := self.engine.cooldown) is not None and not self.cfg.train.cooldown_fraction:
             self.log(
                 f"train: train.cooldown_fraction=0: the checkpoint's cool-down (updates {cooldown.start}.."
                 f"{cooldown.end}) is dropped; the lr follows the plain schedule"
             )
             self.engine.set_cooldown(None)
-        same_rank = loaded.replica_at(self.ctx.dp_rank, self.ctx.tp.rank)
-        saved = self.feed.load_replicas(
-            [r["feed"] for r in loaded.replicas_of_dp_ranks()], same_rank and same_rank["feed"]
-        )
-        if saved != self.feed.streams:
+        if saved_streams != self.feed.streams:
             self.log(
-                f"train: data re-planned: the checkpoint's data streams ({saved}) do not divide among "
+                f"train: data re-planned: the checkpoint's data streams ({saved_streams}) do not divide among "
                 f"{self.ctx.dp_size} DP ranks; the rest of the epoch is planned for {self.feed.streams} (other "
-                f"batches and masks than the old layout's; a DP size dividing {saved} continues exactly)"
+                f"batches and masks than the old layout's; a DP size dividing {saved_streams} continues exactly)"
             )
-        if loaded.rank is not None:
-            torch.set_rng_state(loaded.rank["torch_rng"])
-        change = ckpt.layout_change(loaded.meta["layout"], self.ctx.layout)
-        self.log(f"train: resumed from {step_dir} (step {loaded.meta['step']}, {self.tokens:,} target tokens{change})")
-        if since := ckpt.changed_since(loaded.meta.get("config"), self.cfg):
+        change = ckpt.layout_change(schema.layout_of(meta), self.ctx.layout)
+        self.log(f"train: resumed from {step_dir} (step {schema.step_of(meta)}, {self.tokens:,} target tokens{change})")
+        if since := ckpt.changed_since(schema.config_of(meta), self.cfg):
             self.log(f"train: changed since the checkpoint: {since}")
-
-    def _stage_counts(self) -> list[int] | None:
-        """Layers per pipeline stage, as meta.json keeps them (None without a pipeline)."""
-        return [len(p.encoder) + len(p.decoder) for p in self.stages] if self.ctx.pp_size > 1 else None
-
-    def save(self, reason: str, best: bool = False) -> Path:
-        """Save a checkpoint of this step; ``best``: also name it in ``checkpoints/best``."""
-        engine = self.engine.state_dict()
-        path = ckpt.save_checkpoint(
-            self.run_dir / "checkpoints",
-            self.engine.global_steps,
-            self.ctx,
-            ckpt.CheckpointState(
-                shard=engine["tensors"],
-                run={"engine": engine["counters"], "trainer": self.state_dict()},
-                replica={"feed": self.feed.state_dict()},
-                rank={"torch_rng": torch.get_rng_state()},
-            ),
-            meta={
-                "stages": self._stage_counts(),
-                "tokens": self.tokens,
-                "vocab_size": self.cfg.data.vocab_size,
-                "config": to_dict(self.cfg),
-                "reason": reason,
-                "slurm_job": self.slurm_job,  # a requeued job started with --resume none continues its own saves
-                "time": time.time(),
-                "best": best,
-            },
-            keep_last=self.cfg.train.keep_last,
-            tokenizer=self.tokenizer,
-        )
-        self.log(f"checkpoint: saved {path} ({reason})")
-        return path
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -315,152 +259,108 @@ class Trainer:
     # ---- the loop ---------------------------------------------------------------------------
 
     def train(self) -> int:
-        """Train to ``train.max_steps``; returns the process exit status."""
+        """Train to ``train.max_steps``; returns the process exit status.
+
+        Each step reads top to bottom: the step (with what this rank says before it), its record
+        (time, tokens, the fitted warm-up, the cool-down, the log line), validation, the save and
+        the stop. All after the step is decided from the world's flags: every rank takes the same branch.
+        """
+        loop = self._open_loop()
+        try:
+            while self._steps_left(loop):
+                said = self._flags(loop.watch)
+                began = time.perf_counter()
+                with loop.profiler.step(self.engine.global_steps + 1):
+                    loss_sum, tokens, world = self.step(said)
+                after = self._record(loop, loss_sum, tokens, time.perf_counter() - began, world)
+                best = self._validate_due(loop, after)
+                self.checkpointer.save_if_due(after, best)
+                if (status := self._stop(loop, after)) is not None:
+                    return status
+            self._validate_unvalidated(loop)
+        finally:
+            loop.watch.restore()
+            loop.logger.close()
+            self.feed.close()
+        return 0
+
+    def _open_loop(self) -> Loop:
+        """The engine in training mode, the metrics, the signal watch, the profiler; what is left said."""
         t = self.cfg.train
         self.engine.train()
-        if (nothing_left := self._nothing_left()) is not None:
+        if (nothing_left := self.pace.nothing_left(self.train_seconds)) is not None:
             self.log(f"train: nothing to train: {nothing_left}")
         logger = MetricsLogger(self.run_dir, self.ctx.is_main, t.max_steps)
         watch = SignalWatch(self.slurm_job)
         start_step = self.engine.global_steps
-        self._last_save = time.monotonic()
-        window = Window()
+        self.checkpointer.restart_clock()
         profiler = StepProfiler(
             t.profile_from, t.profile_steps, self.run_dir / "profile", self.ctx.rank, self.ctx.device, self.log
         )
-        try:
-            while nothing_left is None and self.engine.global_steps < t.max_steps and not self._cooled():
-                time_up = t.max_minutes > 0 and self.train_seconds >= 60 * t.max_minutes
-                cool = cooldown_time_reached(t.cooldown_fraction, self.train_seconds, t.max_minutes)
-                # Each rank reads its own clock: a save is due when any rank's says so, decided
-                # with the step's flags so that every rank enters the save's collectives.
-                save_due = t.save_minutes > 0 and time.monotonic() - self._last_save >= 60 * t.save_minutes
-                began = time.perf_counter()
-                flags = StepFlags(watch.received == REQUEUE, watch.received == TERMINATE, time_up, save_due, cool)
-                with profiler.step(self.engine.global_steps + 1):
-                    loss_sum, tokens, world = self.step(flags)
-                usr1, term, up, due, cool = world.usr1, world.term, world.time_up, world.save_due, world.cooldown
-                seconds = time.perf_counter() - began
-                self.train_seconds += seconds
-                self.tokens += int(tokens)
-                window.add(loss_sum, tokens, seconds)
-                signal = TERMINATE if term else REQUEUE if usr1 else NONE
-                self._fit_warmup()
-                cooled = self._cool_down(bool(cool))
-                end = "time limit" if up else "cool-down" if cooled else None
-                self._after_step(logger, window, signal, end, bool(due), watch.stopped_by)
-                step = self.engine.global_steps
-                if signal == REQUEUE:
-                    watch.note_requeue()
-                    accepted = requeue(self.slurm_job, step > start_step, self.log) if self.ctx.is_main else False
-                    self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
-                    return 0
-                if signal == TERMINATE:  # a peer's SIGTERM is this rank's too; Ctrl-C reaches every rank
-                    self.log(f"train: stopping at step {step} after {watch.stopped_by} (saved)")
-                    return watch.exit_status
-                if up:
-                    self.log(f"train: train.max_minutes={t.max_minutes} reached at step {self.engine.global_steps}")
-                    break
-                if cooled:
-                    self.log(f"train: the cool-down ended at step {self.engine.global_steps}")
-                    break
-            step = self.engine.global_steps
-            # Only a run resumed at its last step, saved there on a signal, gets here unvalidated: saved again, validated.
-            if t.eval_interval and step % t.eval_interval and self._validated != step:
-                self.save("best" if (best := self._validate(logger, step)) else "validated", best=best)
-        finally:
-            watch.restore()
-            logger.close()
-            self.feed.close()
-        return 0
+        return Loop(logger, watch, profiler, start_step, nothing_left)
 
-    def _nothing_left(self) -> str | None:
-        """Why a (resumed) run has no step left to train; the same on every rank (the run's state)."""
-        cooled_at = self.engine.cooldown.end if self._cooled() else None
-        return nothing_left_to_train(self.cfg.train, self.engine.global_steps, cooled_at, self.train_seconds)
+    def _steps_left(self, loop: Loop) -> bool:
+        """Another step: the run had something left, train.max_steps is not reached, the cool-down not ended."""
+        return (
+            loop.nothing_left is None and self.engine.global_steps < self.cfg.train.max_steps and not self.pace.cooled()
+        )
 
-    def _cool_down(self, time_reached: bool) -> bool:
-        """Begin the cool-down when it is due; True when it has ended (the run ends with it).
+    def _flags(self, watch: SignalWatch) -> StepFlags:
+        """What this rank says before the step: a signal received, its training time spent (or the cool-down's
+        share of it), train.save_minutes passed by its clock; the step makes them the world's."""
+        t, seconds, received = self.cfg.train, self.train_seconds, watch.received
+        return StepFlags(
+            usr1=received == REQUEUE,
+            term=received == TERMINATE,
+            time_up=t.max_minutes > 0 and seconds >= 60 * t.max_minutes,
+            save_due=self.checkpointer.minutes_passed(),
+            cooldown=cooldown_time_reached(t.cooldown_fraction, seconds, t.max_minutes),
+        )
 
-        ``time_reached`` is the world's, and the update count is the same on every rank:
-        every rank begins it at the same update, with the same length.
-        """
-        t, updates = self.cfg.train, self.engine.optimizer_steps
-        if self.engine.cooldown is None:
-            budget = self.budget
-            expected_left = budget.steps_left(self.engine.global_steps, self.world_seconds) if time_reached else None
-            cooldown = cooldown_start(t.cooldown_fraction, updates, t.max_steps, time_reached, expected_left)
-            if cooldown is None:
-                return False
-            self.engine.set_cooldown(cooldown)
-            self.log(
-                f"train: train.cooldown_fraction={t.cooldown_fraction}: after update {updates}, the lr ramps down "
-                f"to 0 over the next {cooldown.length} updates (from {self.engine.lr():.3g})"
-            )
-        return self._cooled()
-
-    def _fit_warmup(self) -> None:
-        """Fit the warm-up to the steps the time budget is expected to reach (train.warmup_fraction).
-
-        The step, the update count and the world's mean training time are the same on every
-        rank, so every rank fits the same warm-up at the same update.
-        """
-        step, updates = self.engine.global_steps, self.engine.optimizer_steps
-        fitted = self.budget.fit(step, updates, self.world_seconds, self.engine.warmup)
-        if fitted is None:
-            if self._warmup_said is not None and updates == self.engine.warmup:  # refits move it by < 10 % unsaid
-                self._warmup_said = None
-                self.log(
-                    f"train: the warm-up ended at update {updates:,} (train.warmup_fraction), lr {self.engine.lr():.3g}"
-                )
-            return
-        said = self._warmup_said
-        self.engine.set_warmup(fitted)
-        if said is None or abs(fitted - said) > 0.1 * said:
-            self._warmup_said = fitted
-            t = self.cfg.train
-            expected = self.budget.expected_steps(step, self.world_seconds)
-            bound = (
-                f"train.max_steps={t.max_steps:,}"
-                if expected == t.max_steps
-                else f"train.max_minutes={t.max_minutes:g}"
-            )
-            self.log(
-                f"train: train.warmup_fraction={t.warmup_fraction:g}: ~{expected:,} steps expected in {bound}; "
-                f"the warm-up ends at update {fitted:,}"
-            )
-
-    def _cooled(self) -> bool:
-        cooldown = self.engine.cooldown
-        return cooldown is not None and self.engine.optimizer_steps >= cooldown.end
-
-    def _after_step(
-        self,
-        logger: MetricsLogger,
-        window: Window,
-        signal: int,
-        end: str | None,
-        minutes_due: bool,
-        stopped_by: str = "SIGTERM",
-    ) -> None:
-        """Log, validate and save as scheduled (and on a signal, the time limit or the cool-down's end).
-
-        ``signal``, ``end`` (why the run ends here, or None) and ``minutes_due``
-        (``train.save_minutes`` passed) are the world's: every rank takes the same branch here;
-        ``stopped_by`` names the signal a TERMINATE came from (this rank's view, for the save's reason).
-        """
-        t, step = self.cfg.train, self.engine.global_steps
+    def _record(self, loop: Loop, loss_sum: float, tokens: float, seconds: float, world: StepFlags) -> Outcome:
+        """Count the step's time and tokens, fit the warm-up, begin the cool-down, log at ``train.log_interval``;
+        returns the step as every rank sees it."""
+        t = self.cfg.train
+        self.train_seconds += seconds
+        self.tokens += int(tokens)
+        loop.window.add(loss_sum, tokens, seconds)
+        self.pace.fit_warmup(self.world_seconds)
+        cooled = self.pace.cool_down(world.cooldown, self.world_seconds)
+        step = self.engine.global_steps
         if step % t.log_interval == 0 or step == t.max_steps:
-            self._log(logger, window)
-            window.reset()
-        last = signal == NONE and (end is not None or step == t.max_steps)  # validated before the last save
-        best = bool(t.eval_interval) and (step % t.eval_interval == 0 or last) and self._validate(logger, step)
-        scheduled = t.save_interval and step % t.save_interval == 0
-        due = signal != NONE or end is not None or step == t.max_steps or minutes_due or scheduled
-        if due or best:
-            reason = {TERMINATE: stopped_by, REQUEUE: "SIGUSR1"}.get(signal, end or "schedule")
-            self.save(reason if due else "best", best=best)
-            self._last_save = time.monotonic()
+            self._log(loop.logger, loop.window)
+            loop.window.reset()
+        end = "time limit" if world.time_up else "cool-down" if cooled else None
+        return Outcome(step, world.signal, end, world.save_due, step == t.max_steps, loop.watch.stopped_by)
+
+    def _validate_due(self, loop: Loop, after: Outcome) -> bool:
+        """Validate every ``train.eval_interval`` steps and before the run's last save; True for a best BLEU."""
+        every = self.cfg.train.eval_interval
+        return bool(every) and (after.step % every == 0 or after.last) and self._validate(loop.logger, after.step)
+
+    def _stop(self, loop: Loop, after: Outcome) -> int | None:
+        """The exit status if the run stops after this step (a signal, the time limit, the cool-down's end)."""
+        step = after.step
+        if after.signal == REQUEUE:
+            loop.watch.note_requeue()
+            accepted = requeue(self.slurm_job, step > loop.start_step, self.log) if self.ctx.is_main else False
+            self.log(f"train: stopping at step {step} after SIGUSR1 ({'' if accepted else 'not '}requeued)")
+            return 0
+        if after.signal == TERMINATE:  # a peer's SIGTERM is this rank's too; Ctrl-C reaches every rank
+            self.log(f"train: stopping at step {step} after {loop.watch.stopped_by} (saved)")
+            return loop.watch.exit_status
+        if after.end == "time limit":
+            self.log(f"train: train.max_minutes={self.cfg.train.max_minutes} reached at step {step}")
+        elif after.end == "cool-down":
+            self.log(f"train: the cool-down ended at step {step}")
+        return None if after.end is None else 0
+
+    def _validate_unvalidated(self, loop: Loop) -> None:
+        """Only a run resumed at its last step, saved there on a signal, ends unvalidated: validated, saved again."""
+        step, every = self.engine.global_steps, self.cfg.train.eval_interval
+        if every and step % every and self._validated != step:
+            best = self._validate(loop.logger, step)
+            self.checkpointer.save(step, "best" if best else "validated", best=best)
 
     def _log(self, logger: MetricsLogger, window: Window) -> None:
         tokens_per_s = window.tokens / max(window.seconds, 1e-9)
