@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaformer.checkpoint.files import write_shard
 from megaformer.checkpoint.format import (
     model_file_name,
     prune,
@@ -84,7 +85,7 @@ def save_checkpoint(
     with _writing(tmp):
         if ctx.dp_rank == 0:
             name = model_file_name(ctx.tp.rank, ctx.layout.tp, ctx.pp_rank, ctx.pp_size)
-            atomic_torch_save(state.shard, tmp / name)
+            write_shard(state.shard, tmp / name)  # the moments apart: decoding and export never open them
         atomic_torch_save(state.rank, tmp / rank_file_name(ctx.rank))
     replicas = [None] * ctx.layout.world_size
     if dist.is_initialized():

@@ -153,7 +153,7 @@ def _patch_files(module):
 
 PATCHES = {"megaformer.train.trainer": _patch_trainer} if SPEC else {}
 if SPEC.startswith("kill_in_save"):
-    PATCHES = {"megaformer.checkpoint.save": _patch_checkpoint}
+    PATCHES = {"megaformer.checkpoint.files": _patch_checkpoint}  # write_shard's atomic_torch_save
 if HASH_LOG:
     PATCHES["megaformer.files"] = _patch_files
 
