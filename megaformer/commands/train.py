@@ -8,6 +8,7 @@ checkpoint path, not only the checkpoint that every other command calls ``--ckpt
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ from megaformer.checkpoint.meta import read_meta, saved_streams, slurm_job_of
 from megaformer.cli_args import existing_file, existing_path, new_dir, nonneg_int
 from megaformer.config import Config, load_config
 from megaformer.errors import ConfigError
+
+LOG = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from megaformer.parallel import ParallelLayout
@@ -113,7 +116,7 @@ def _train(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as err:
         raise ConfigError(f"--run-dir {err}") from None
     info = detect()
-    say = print if info.rank == 0 and not args.check else lambda line: None  # a check's ranks say it when they run
+    say = LOG.info if info.rank == 0 and not args.check else lambda line: None  # a check's ranks say it when they run
     resume = _resume_in(Path(run_dir), args.resume, say, slurm_job())
     world = args.nproc if info.source == "single" and args.nproc > 0 else info.world_size
     if info.source != "single" and args.nproc > 0 and args.nproc != info.world_size:

@@ -20,7 +20,6 @@ import torch
 from megaformer.checkpoint import CheckpointSource, Consolidated, locate, read_model
 from megaformer.data.tokenizer import check_special_ids
 from megaformer.errors import CheckpointError
-from megaformer.logs import STDERR
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, TPGroup, check_model_split, load_full_state
 
@@ -45,7 +44,8 @@ def load_model_file(path: str | Path | CheckpointSource, log: Callable[[str], No
 
 
 def _to_stderr(message: str) -> None:
-    LOG.info(message, extra=STDERR)
+    """A checkpoint skipped, or an older one used: said under -q too."""
+    LOG.warning(message)
 
 
 def load_export(path: Path) -> Consolidated | None:

@@ -301,9 +301,10 @@ def open_model(path: str | Path, command: str) -> tuple[Consolidated, Checkpoint
     resolves to. When the newest checkpoint of a run directory is damaged and an older one
     is used, each skipped checkpoint and the one chosen are announced on stderr.
     """
-    source = locate(path, log=lambda message: LOG.info(f"megaformer {command}: {message}", extra=STDERR))
+    source = locate(path, log=lambda message: LOG.warning(f"megaformer {command}: {message}"))  # said under -q too
     return load_model_file(source), source
 
 
 def _to_stderr(message: str) -> None:
-    LOG.info(message, extra=STDERR)
+    """A checkpoint skipped, or an older one used: said under -q too."""
+    LOG.warning(message)

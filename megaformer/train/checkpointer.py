@@ -22,6 +22,7 @@ meta.json's schema.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,8 @@ from megaformer.errors import CheckpointError
 from megaformer.parallel import ParallelContext
 from megaformer.train.signals import REQUEUE, TERMINATE
 from megaformer.train.step import Outcome
+
+LOG = logging.getLogger(__name__)
 
 SHARD, RUN, REPLICA, RANK = "shard", "run", "replica", "rank"
 
@@ -74,11 +77,11 @@ class Checkpointer:
         describe: Callable[[], dict],
         slurm_job: str | None = None,
         tokenizer: Path | None = None,
-        log: Callable[[str], None] = print,
+        log: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ctx, self.root, self.t, self.stages, self.describe = ctx, root, t, stages, describe
-        self.slurm_job, self.tokenizer, self.log, self.clock = slurm_job, tokenizer, log, clock
+        self.slurm_job, self.tokenizer, self.log, self.clock = slurm_job, tokenizer, log or LOG.info, clock
         self.states: dict[str, tuple[Stateful, str]] = {}
         self.last_save = clock()
 

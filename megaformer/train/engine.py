@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import warnings
@@ -46,6 +47,8 @@ from megaformer.train.engine_state import (
     uses_zero,
 )
 from megaformer.train.lean import LeanEngine, lean_refusal
+
+LOG = logging.getLogger(__name__)
 
 try:  # NVIDIA apex: fused Adam on GPUs when installed; never required.
     from apex.optimizers import FusedAdam as _ApexFusedAdam
@@ -390,7 +393,7 @@ def _memory_reports_dropped() -> Iterator[None]:
     finally:
         kept = [line for line in printed.getvalue().splitlines() if not _MEMORY_REPORT.fullmatch(line.strip())]
         if kept:
-            print("\n".join(kept), flush=True)
+            LOG.info("\n".join(kept))
 
 
 def _device_args(device: torch.device) -> SimpleNamespace | None:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from megaformer.config import Config, check_precision
 from megaformer.errors import ConfigError, MegaformerWarning
+from megaformer.logs import configure as configure_logs
+from megaformer.logs import log_to_file, set_rank
 
 if TYPE_CHECKING:
     from megaformer.parallel import ParallelLayout
@@ -42,12 +44,15 @@ def rank_main(cfg: Config, run_dir: str, resume: str, other_tokenizer: bool, loc
 
     info = detect()
     info.export()
+    configure_logs()  # at the level the CLI chose (its environment, for ranks it started)
+    set_rank(info.rank)
     if info.rank != 0:  # every rank reads the same data and settings: rank 0 says what they would say
         warnings.simplefilter("ignore", MegaformerWarning)
     with nullcontext() if locked or info.rank != 0 else run_lock(run_dir):  # rank 0 holds it for a launcher's ranks
         ctx = ParallelContext.initialize(
             cfg.parallel, info.rank, info.world_size, info.local_rank, single_process_group=True
         )
+        log_to_file(Path(run_dir) / "logs" / f"rank-{info.rank}.log", info.rank)  # rank 0 holds the lock by now
         try:
             return Trainer(cfg, ctx, Path(run_dir), resume, other_tokenizer, slurm_job()[0]).train()
         finally:

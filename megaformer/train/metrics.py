@@ -11,8 +11,8 @@ same time (summed).
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from megaformer.errors import ConfigError
+
+LOG = logging.getLogger(__name__)
 
 # Dense (not 2:4 sparse) peak TFLOP/s per GPU from the vendors' data sheets, by a part of the
 # name torch reports; the first match wins, so the PCIe/NVL variants come before the SXM part.
@@ -183,7 +185,7 @@ class MetricsLogger:
 
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
             except Exception as err:  # tensorboard missing or broken: keep the JSON log
-                print(f"train: tensorboard disabled ({err})", file=sys.stderr)
+                LOG.warning(f"train: tensorboard disabled ({err})")
 
     def log(self, record: dict, prefix: str = "train") -> None:
         if not self.enabled:
@@ -194,10 +196,9 @@ class MetricsLogger:
             try:
                 self.file.write(json.dumps({"kind": prefix, **clean}, allow_nan=False) + "\n")
             except OSError as err:  # a full disk or a vanished file: training and its checkpoints go on
-                print(
+                LOG.warning(
                     f"train: {self.path}: cannot be written from step {record.get('step')} on ({err.strerror}); "
-                    f"training goes on without it",
-                    file=sys.stderr,
+                    f"training goes on without it"
                 )
                 self._close_file()
         if self.writer is not None:
@@ -219,7 +220,7 @@ class MetricsLogger:
         )
         if r["loss_scale"] != 1.0:
             line += f" | scale {r['loss_scale']:g}"
-        print(line, flush=True)
+        LOG.info(line)
 
     def console_valid(self, r: dict) -> None:
         """The validation line: loss, NLL, perplexity, and greedy BLEU (cased, lowercased) when computed."""
@@ -228,7 +229,9 @@ class MetricsLogger:
         line = f"valid  {r['step']:>6d} | loss {r['loss']:.4f} | nll {r['nll']:.4f} | ppl {r['ppl']:.2f}"
         if "bleu" in r:
             line += f" | bleu {r['bleu']:.2f} | bleu_lc {r['bleu_lc']:.2f}"
-        print(line, flush=True)
+        if "bleu_tok" in r:
+            line += f" | bleu_tok {r['bleu_tok']:.2f}"
+        LOG.info(line)
 
     def _close_file(self) -> None:
         file, self.file = self.file, None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from megaformer.errors import ConfigError
 from megaformer.files import path_refusal
+
+LOG = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
 REQUEUE_WAIT_S = 60.0  # how long a requeued job waits for its earlier incarnation's lock
@@ -79,10 +82,10 @@ def read_holder(path: Path) -> Holder | None:
 class RunLock:
     """The run directory's lock; :meth:`acquire` takes it or raises ConfigError naming the holder."""
 
-    def __init__(self, run_dir: Path, slurm_job_id: str | None, log: Callable[[str], None] = print) -> None:
+    def __init__(self, run_dir: Path, slurm_job_id: str | None, log: Callable[[str], None] | None = None) -> None:
         self.path = Path(run_dir) / LOCK_NAME
         self.me = Holder.this_process(slurm_job_id)
-        self.log = log
+        self.log = log or LOG.info
         self._fd: int | None = None
 
     def _refused(self, err: OSError, path: Path | None = None) -> ConfigError:

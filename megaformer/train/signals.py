@@ -24,6 +24,7 @@ also ends a rank stuck in a collective after the grace time.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -31,6 +32,8 @@ import signal
 import subprocess
 import sys
 import threading
+
+LOG = logging.getLogger(__name__)
 
 NONE, REQUEUE, TERMINATE = 0, 1, 2
 EXIT_TERMINATED = 128 + signal.SIGTERM
@@ -108,14 +111,12 @@ class SignalWatch:
         """Turn the launcher's death into TERMINATE, then end the process after ``grace_s``."""
         while not self._stop.wait(poll_s):
             if not launcher.alive():
-                print(
-                    f"signal: launcher (pid {launcher.pid}) is gone: saving and stopping (exit within {grace_s:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
+                LOG.warning(
+                    f"signal: launcher (pid {launcher.pid}) is gone: saving and stopping (exit within {grace_s:.0f} s)"
                 )
                 self._note(TERMINATE)
                 if not self._stop.wait(grace_s):
-                    print("signal: launcher gone and the rank did not stop in time: exiting", file=sys.stderr)
+                    LOG.error("signal: launcher gone and the rank did not stop in time: exiting")
                     sys.stderr.flush()
                     os._exit(EXIT_TERMINATED)
                 return
@@ -140,8 +141,9 @@ def _ignore_term_and_usr1() -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def requeue(job: str | None, made_progress: bool, log=print) -> bool:
+def requeue(job: str | None, made_progress: bool, log=None) -> bool:
     """Ask SLURM to requeue ``job`` (this process's, None outside SLURM); True if it accepted."""
+    log = log or LOG.info
     if job is None:
         log("signal: USR1 outside a SLURM job: checkpoint saved, nothing to requeue")
         return False

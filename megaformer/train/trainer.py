@@ -21,6 +21,7 @@ in ``RUN/checkpoints/best``, which pruning keeps, as fairseq's ``--eval-bleu`` k
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,7 @@ class Trainer:
         slurm_job: str | None = None,  # the SLURM job this rank runs in (launcher.env.slurm_job): requeued, recorded
     ) -> None:
         self.cfg, self.ctx, self.run_dir, self.slurm_job = cfg, ctx, Path(run_dir), slurm_job
-        self.log = print if ctx.is_main else (lambda *a, **k: None)
+        self.log = logging.getLogger(__name__).info  # rank 0's on the console, each rank's in its file
         manifest, self.tokenizer, self.has_valid = adopt_data(cfg, self.log)
 
         self.start_dir = resume_point(resume, self.run_dir, self.log)
