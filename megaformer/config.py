@@ -105,9 +105,9 @@ class TrainConfig:
     seed: int = 1
     log_interval: int = 100
     eval_interval: int = 1000
-    # Greedy BLEU on the first this many validation sentences at every evaluation; the checkpoint
-    # with the best BLEU is kept (RUN/checkpoints/best). 0 = off.
-    eval_bleu_sentences: int = 200
+    # Greedy BLEU on the first this many validation sentences at each evaluation (best: RUN/checkpoints/best)
+    eval_bleu_sentences: int = 200  # 0 = off
+    eval_bleu_tokenized: bool = False  # also the paper's tokenized compound-split BLEU (decode/evaluate.py)
     save_interval: int = 1000  # steps; 0 = only on signals and at the end
     save_minutes: float = 0.0  # also save every this many minutes; 0 = off
     keep_last: int = 5

@@ -142,3 +142,45 @@ def test_evaluate_refuses_mixed_or_missing_options_in_one_line(argv, fragment, r
     names = {"hyp": sample / "sample.hyp", "ref": sample / "sample.de", "short": sample / "short.de", "dir": sample}
     argv = [a.format(**names) for a in argv]
     assert_one_line_error(*run("evaluate", *argv)[::2], fragment.format(**names))
+
+
+def test_in_training_validation_reports_the_tokenized_bleu_where_asked(tmp_path):
+    """train.eval_bleu_tokenized=true: each validation line and record carries bleu_tok beside sacreBLEU's; on
+    data whose target language the Moses tokenizer does not know, the run is refused in one line."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from wmt14_tree import build_wmt14_tree
+
+    root = Path(__file__).resolve().parents[1]
+    plain = build_wmt14_tree(tmp_path / "raw") / "plain"
+    cli = [sys.executable, "-m", "megaformer.cli"]
+    prep = [*cli, "prepare", "--src", "en", "--tgt", "de", "--train", str(plain / "train"), "--valid"]
+    prep += [str(plain / "newstest2013"), "--vocab-size", "300", "--out", str(tmp_path / "data"), "-q"]
+    subprocess.run(prep, check=True, cwd=root)
+    sets = ["train.max_steps=4", "train.eval_interval=2", "train.eval_bleu_sentences=8", "data.max_tokens=512"]
+    sets += [
+        "train.tokens_per_step=512",
+        "train.eval_bleu_tokenized=true",
+        "train.peak_tflops=0.1",
+        "train.log_interval=2",
+    ]
+    args = ["train", "--config", "configs/tiny.yaml", "--nproc", "1", "--run-dir", str(tmp_path / "run")]
+    args += [a for s in sets for a in ("--set", s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([*cli, *args, "--set", f"data.path={tmp_path / 'data'}"], cwd=root, env=env, text=True,
+                         capture_output=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    valid = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    valid = [r for r in valid if r["kind"] == "valid"]
+    assert len(valid) == 2 and all(0 <= r["bleu_tok"] <= 100 for r in valid), valid
+    assert "| bleu_tok " in run.stdout
+    synthetic = tmp_path / "synthetic"
+    subprocess.run([*cli, "prepare", "--synthetic", "100", "--out", str(synthetic), "-q"], check=True, cwd=root)
+    other = [*cli, *args, "--set", f"data.path={synthetic}", "--run-dir", str(tmp_path / "run2")]
+    refused = subprocess.run(other, cwd=root, env=env, text=True, capture_output=True, timeout=300)
+    assert refused.returncode != 0 and "train.eval_bleu_tokenized=true: the Moses tokenizer has no language" in (
+        refused.stderr
+    ), refused.stderr

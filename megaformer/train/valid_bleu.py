@@ -34,7 +34,7 @@ from megaformer.data.manifest import manifest_path, read_manifest
 from megaformer.data.shards import open_prepared, read_shard
 from megaformer.data.tokenizer import EOS_ID, Tokenizer
 from megaformer.decode.beam import SearchSettings
-from megaformer.decode.evaluate import corpus_scores
+from megaformer.decode.evaluate import corpus_scores, tokenized_bleu
 from megaformer.decode.translate import translate_ids
 from megaformer.model import Transformer
 from megaformer.parallel import ParallelContext
@@ -103,8 +103,10 @@ def sample_bleu(
     settings: SearchSettings,
     max_tokens: int,
     ctx: ParallelContext,
+    tokenized_lang: str | None = None,
 ) -> dict[str, float]:
-    """``{"bleu", "bleu_lc"}`` of greedy translations of ``sample``; every rank of the run calls this.
+    """``{"bleu", "bleu_lc"}`` of greedy translations of ``sample``, and ``"bleu_tok"`` (the paper's tokenized
+    compound-split BLEU) with ``tokenized_lang``; every rank of the run calls this.
 
     DP rank ``r`` decodes sentences ``r, r + dp, ...``; the shares are gathered over the
     DP group, so every rank returns the same scores. ``model`` must be in eval mode.
@@ -121,4 +123,7 @@ def sample_bleu(
         for i, text in zip(range(rank, len(sample.sources), ctx.dp_size), part):
             hypotheses[i] = text
     scores = corpus_scores(hypotheses, sample.references)
-    return {"bleu": scores.bleu, "bleu_lc": scores.bleu_lc}
+    result = {"bleu": scores.bleu, "bleu_lc": scores.bleu_lc}
+    if tokenized_lang:
+        result["bleu_tok"] = tokenized_bleu(hypotheses, sample.references, tokenized_lang).bleu
+    return result

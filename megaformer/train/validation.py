@@ -19,6 +19,8 @@ import torch.distributed as dist
 from megaformer.config import Config
 from megaformer.data.stream import TokenBatchStream
 from megaformer.decode.beam import SearchSettings
+from megaformer.decode.evaluate import moses_languages
+from megaformer.errors import ConfigError
 from megaformer.model import Transformer
 from megaformer.parallel import ParallelContext, vocab_parallel_cross_entropy
 from megaformer.pipeline.schedule import Pipeline
@@ -58,6 +60,11 @@ class Validation:
             sample = load_bleu_sample(cfg.data.path, cfg.train.eval_bleu_sentences, cfg.model.max_positions)
             reason = None if sample.sources else "the valid split holds no sentences"
         n = len(sample.sources) if sample is not None else 0
+        if reason is None and cfg.train.eval_bleu_tokenized and cfg.data.tgt_lang not in moses_languages():
+            raise ConfigError(
+                f"train.eval_bleu_tokenized=true: the Moses tokenizer has no language {cfg.data.tgt_lang!r} (the "
+                f"data's target); set train.eval_bleu_tokenized=false"
+            )
         log(f"train: validation BLEU {'off: ' + reason if reason else f'on {n} sentence' + 's' * (n != 1)}")
         return sample if reason is None else None
 
@@ -91,6 +98,7 @@ class Validation:
         result = {"loss": loss / tokens, "nll": nll / tokens, "ppl": ppl, "tokens": int(tokens)}
         if self.bleu_sample is not None:
             settings = SearchSettings.from_config(cfg.decode, beam=1)
-            result |= sample_bleu(model, self.bleu_sample, settings, cfg.decode.max_tokens, ctx)
+            lang = cfg.data.tgt_lang if cfg.train.eval_bleu_tokenized else None
+            result |= sample_bleu(model, self.bleu_sample, settings, cfg.decode.max_tokens, ctx, lang)
         model.train()
         return result
