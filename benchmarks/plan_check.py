@@ -10,10 +10,12 @@ real step in local processes (megaformer/plan/measure.py) and predicts it from t
 * ``memory_error``: predicted / measured - 1 of rank 0's peak of live tensor storage bytes over a
   steady step (the worst rank's error is ``memory_error_worst``);
 * ``collectives_equal``: every collective of rank 0's step (operator, group, count, bytes) as run;
-* ``step_error`` (dp=2 layouts): the step of the lean engine recorded and priced with this CPU's
-  constants at one thread (megaformer/sim/calibrate.py), DeepSpeed's extra operators and Python
-  (megaformer/sim/deepspeed.py), and the data-parallel collectives at this host's gloo all-reduce
-  times, measured first; against the quickest of the measured steps.
+* ``step_error`` (dp=2 layouts): predicted / measured - 1 of rank 0's quickest step. Predicted: the lean
+  engine's step recorded and priced with this CPU's constants at one thread (megaformer/sim/calibrate.py:
+  each kernel made again and timed, matmuls with the cache emptied where the weights exceed it, the first
+  touch of new memory), DeepSpeed's difference from it at dp=2 (megaformer/sim/deepspeed.py: its narrow
+  step as rank 0 of a fake world of two), and the step's DP collectives at this host's gloo times for each
+  operator and size, measured first (``gloo_s``); ``predicted_parts_ms`` gives the three.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from megaformer.config import load_config  # noqa: E402
 from megaformer.plan.measure import link_worker, measure  # noqa: E402
 from megaformer.plan.price import pieces  # noqa: E402
 from megaformer.plan.rank import predict_rank  # noqa: E402
-from megaformer.plan.trace import fake_world, trace_layers  # noqa: E402
+from megaformer.plan.trace import trace_layers  # noqa: E402
+from megaformer.sim.deepspeed import fake_world  # noqa: E402
 from megaformer.sim.roofline import GPUS  # noqa: E402
 from megaformer.sim.step import MicroShape  # noqa: E402
 
@@ -64,8 +67,9 @@ def predicted(config: str, sets: list[str], shape: MicroShape) -> list[dict]:
     return [predict_rank(cfg, parts, shape, MICRO_BATCHES, s) for s in range(cfg.parallel.pp)]
 
 
-def predicted_step(config: str, sets: list[str], shape: MicroShape, link: dict, collectives: dict) -> float:
-    """Rank 0's step on this CPU at one thread: the lean step priced, DeepSpeed's extra, the DP collectives."""
+def predicted_step(config: str, sets: list[str], shape: MicroShape, link: dict, collectives: dict) -> dict:
+    """Rank 0's step on this CPU at one thread: the lean step priced, DeepSpeed's difference at the layout's dp
+    (megaformer/sim/deepspeed.py), the DP collectives at this host's gloo times. Seconds, by part."""
     import dataclasses
 
     from megaformer.info import model_info
@@ -76,31 +80,46 @@ def predicted_step(config: str, sets: list[str], shape: MicroShape, link: dict, 
 
     cfg = load_config(config, [*sets, "parallel.backend=gloo", "parallel.device=cpu"])
     one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1, tp=1, pp=1))
+    parameters = model_info(one)["parameters"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # each of the two ranks has one core
     try:
         ops = record_step(one, [shape] * MICRO_BATCHES, "cpu")
-        device = cpu_device(one, MICRO_BATCHES, ops)
+        device = cpu_device(one, MICRO_BATCHES, ops, weight_bytes=4 * parameters)
         os.environ.setdefault("LOCAL_RANK", "0")
-        solo = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=0))
-        extra = deepspeed_extra(solo, MICRO_BATCHES, model_info(one)["parameters"])
-        seconds = timeline(with_deepspeed(ops, extra), device).seconds
+        extra = deepspeed_extra(cfg, MICRO_BATCHES, parameters, dp=WORLD)
+        lean = timeline(ops, device).seconds
+        engine = timeline(with_deepspeed(ops, extra), device).seconds
     finally:
         torch.set_num_threads(threads)
+    comm = sum(
+        c["count"]
+        * gloo_seconds(link[key.split()[0] if key.split()[0] in link else "all_reduce"], c["bytes"] / c["count"])
+        for key, c in collectives.items()
+        if key.endswith((" dp", " world"))
+    )
+    return {"lean": lean, "deepspeed": engine - lean, "collectives": comm, "step": engine + comm}
+
+
+def gloo_seconds(link: dict, nbytes: float) -> float:
+    """A collective of ``nbytes`` on this host's gloo (``link``: its times by size): interpolated between the measured sizes (linear in bytes),
+    scaled by bytes beyond the largest."""
     sizes = sorted(int(s) for s in link)
-    for key, c in collectives.items():
-        if key.endswith((" dp", " world")):
-            each = c["bytes"] / c["count"]
-            nearest = min(sizes, key=lambda s: abs(s - each))
-            seconds += c["count"] * link[str(nearest)] * max(1.0, each / nearest)
-    return seconds
+    above = next((s for s in sizes if s >= nbytes), None)
+    if above is None:
+        return link[str(sizes[-1])] * nbytes / sizes[-1]
+    below = max((s for s in sizes if s <= nbytes), default=above)
+    if below == above:
+        return link[str(above)]
+    share = (nbytes - below) / (above - below)
+    return link[str(below)] + share * (link[str(above)] - link[str(below)])
 
 
 def run(steps: int, only: str) -> dict:
     from launcher.local import spawn
 
     out = Path(tempfile.mkdtemp(prefix="plan-check-"))
-    spawn(link_worker, WORLD, [4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26], str(out))
+    spawn(link_worker, WORLD, [4, 1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28], str(out))
     link = json.loads((out / "link.json").read_text())
     rows = []
     for name, config, sets, shape in LAYOUTS:
@@ -121,11 +140,12 @@ def run(steps: int, only: str) -> dict:
             row["collectives"] = {"predicted": guess[0]["collectives"], "measured": ranks[0]["collectives"]}
         row["measured_step_ms"] = round(ranks[0]["step_s"] * 1e3, 2)
         if "parallel.dp=2" in sets:
-            step = predicted_step(config, sets, shape, link, ranks[0]["collectives"])
-            row["predicted_step_ms"] = round(step * 1e3, 2)
-            row["step_error"] = round(step / ranks[0]["step_s"] - 1, 4)
+            parts = predicted_step(config, sets, shape, link, ranks[0]["collectives"])
+            row["predicted_step_ms"] = round(parts["step"] * 1e3, 2)
+            row["predicted_parts_ms"] = {k: round(v * 1e3, 2) for k, v in parts.items() if k != "step"}
+            row["step_error"] = round(parts["step"] / ranks[0]["step_s"] - 1, 4)
         rows.append(row)
-    return {"layouts": rows, "gloo_all_reduce_s": link}
+    return {"layouts": rows, "gloo_s": link}
 
 
 def main(argv: list[str] | None = None) -> int:

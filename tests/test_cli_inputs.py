@@ -153,6 +153,7 @@ DOMAIN = [
     (("inspect", "{dir}", "--sort-buffer", "-1"), "argument --sort-buffer"),
     (("average", "--run-dir", "{dir}", "--last", "0", "--out", "{missing}"), "argument --last: must be at least 1"),
     (("multi30k", "--dry-run", "--gpus", "-1"), "argument --gpus: must be at least 0"),
+    (("plan", "--config", "{tiny}", "--nodes", "0"), "argument --nodes: must be at least 1"),  # zero GPUs
     (("wmt14", "--raw", "{dir}", "--vocab-size", "5"), "argument --vocab-size: must be at least 100"),
     (("wmt14", "--raw", "{dir}", "--nproc", "0"), "argument --nproc: must be at least 1"),
 ]

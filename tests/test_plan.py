@@ -31,6 +31,15 @@ def test_plan_json_has_the_layouts_and_one_fastest():
     assert all(keys | {"tokens_per_s", "fits"} <= set(r) for r in result["layouts"])
     assert sum(bool(r.get("fastest")) for r in result["layouts"]) == 1
     assert result["fastest"]["fits"] and all(r["tp"] * r["pp"] * r["dp"] == 2 for r in result["layouts"])
+    from megaformer.config import load_config
+
+    for r in result["layouts"]:  # each layout's --set values give the trainer that layout
+        cfg = load_config(TINY, r["overrides"])
+        assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.train.zero_stage) == (
+            r["tp"], r["pp"], r["dp"], r["zero"]
+        )  # fmt: skip
+        assert cfg.data.max_tokens == r["micro_tokens"]
+    assert result["command"].startswith("sbatch --nodes=1 slurm/train_big.sh --set parallel.tp=")
 
 
 @pytest.mark.parametrize(
@@ -54,7 +63,8 @@ def test_predicted_collectives_equal_measured(tmp_path):
     from megaformer.plan.measure import measure
     from megaformer.plan.price import pieces
     from megaformer.plan.rank import predict_rank
-    from megaformer.plan.trace import fake_world, trace_layers
+    from megaformer.plan.trace import trace_layers
+    from megaformer.sim.deepspeed import fake_world
     from megaformer.sim.roofline import GPUS
     from megaformer.sim.step import MicroShape
 
@@ -67,3 +77,12 @@ def test_predicted_collectives_equal_measured(tmp_path):
     predicted = predict_rank(cfg, pieces(traces, GPUS["h100"]), shape, 2, 0)
     assert predicted["collectives"] == measured[0]["collectives"]
     assert abs(predicted["peak"] / measured[0]["memory"]["peak"] - 1) < 0.15
+
+
+def test_zero2_holds_a_flat_fp32_copy_of_its_bucket():
+    from megaformer.plan.deepspeed import engine_share
+
+    p, bucket = 1000, 400
+    one, two = (engine_share("fp32", z, p, 2, 2, bucket, 1, 1) for z in (1, 2))
+    assert two.state == one.state and two.transient == 4 * bucket and two.grads == 4 * 500
+    assert engine_share("fp32", 2, p, 2, 2, 10**6, 1, 1).transient == 4 * p  # a bucket holds at most P

@@ -11,12 +11,15 @@ path           state beside the weights (bytes)                   collectives pe
 =============  =================================================  =========================================
 fp32 ZeRO-0    Adam's moments 8P                                  all-reduce 4P in ceil(P/B) buckets
 fp32 ZeRO-1    fp32 partition 4P/dp, moments 8P/dp, bucket 4B'    the same, a flag, all-gather 4P/dp
-fp32 ZeRO-2    as ZeRO-1; gradients kept 4P/dp, not 4P            the all-reduce at every micro-batch
+fp32 ZeRO-2    as ZeRO-1; grads kept 4P/dp, not 4P; copy 4B'      the all-reduce at every micro-batch
 bf16 ZeRO-1    fp32 partition and moments 12P/dp, fp32 grads 4P   all-reduce 4P, all-gather 2P/dp
-bf16 ZeRO-2    12P/dp, bucket 2B'; bf16 grads kept 2P/dp          the all-reduce at every micro-batch
+bf16 ZeRO-2    12P/dp, bucket 2B'; grads 2P/dp; fp32 copy 4B'     the all-reduce at every micro-batch
 =============  =================================================  =========================================
 
-``B' = min(B, P)``: a bucket is no larger than what it holds. Where DeepSpeed computes no gradient norm
+``B' = min(B, P)``: a bucket is no larger than what it holds. ZeRO-2 reduces a bucket through a flat
+copy of it in the communication dtype (fp32: ``allreduce_bucket`` flattens it anew, DeepSpeed 0.19's
+``stage_1_and_2.py``), after the micro-batch's backward: a ``transient`` beside the micro-batch's gradients,
+not its activations (transformer_base fp32 at dp=2 peaked there, with the bucket and its copy both 4P). Where DeepSpeed computes no gradient norm
 (fp32 ZeRO-0), the engine computes it: one 8-byte all-reduce over TP and one over the stages.
 """
 
@@ -33,6 +36,7 @@ class EngineShare:
     state: int  # bytes held through the step beside the weights (fp32 copies, moments, buckets)
     grads: int  # gradient bytes kept between micro-batches
     collectives: list[Collective]
+    transient: int = 0  # bytes alive while a bucket is reduced, after a micro-batch's backward
 
 
 def _buckets(elements: int, bucket: int) -> int:
@@ -58,9 +62,12 @@ def engine_share(precision: str, zero: int, params: int, dp: int, m: int, bucket
         return EngineShare(12 * part + 4 * min(bucket, p), 4 * p, reduce + [Collective("all_reduce", "dp", 4)] + gather)
     if not low:
         return EngineShare(
-            12 * part + 4 * min(bucket, p), 4 * part, reduce * m + [Collective("all_reduce", "dp", 4)] + gather
+            12 * part + 4 * min(bucket, p),
+            4 * part,
+            reduce * m + [Collective("all_reduce", "dp", 4)] + gather,
+            4 * min(bucket, p),
         )
     if zero == 1:
         return EngineShare(12 * part + 4 * p, 0, reduce + [Collective("all_reduce", "world", 4)] + gather)
     flags = [Collective("all_reduce", "dp", 4), Collective("all_reduce", "dp", 1)]
-    return EngineShare(12 * part + 2 * min(bucket, p), 2 * part, reduce * m + flags + gather)
+    return EngineShare(12 * part + 2 * min(bucket, p), 2 * part, reduce * m + flags + gather, 4 * min(bucket, p))

@@ -138,23 +138,29 @@ def measure(config: str, sets: list[str], world: int, shapes: list[MicroShape], 
 
 
 def link_worker(sizes: list[int], out: str) -> int:
-    """This host's gloo link: the quickest of 5 all-reduces of each of ``sizes`` bytes (fp32) between the ranks."""
+    """This host's gloo link: the quickest of 5 all-reduces of each of ``sizes`` bytes (fp32) between the ranks,
+    and of 5 all-gathers of a shard of that many bytes from each rank (``link.json``: op -> size -> seconds)."""
     import torch.distributed as dist
 
     from megaformer.config import ParallelConfig
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ctx = ParallelContext.initialize(ParallelConfig(backend="gloo", device="cpu"), rank, world)
-    seconds = {}
+    seconds: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}}
     for size in sizes:
         x = torch.zeros(max(1, size // 4))
-        times = []
-        for _ in range(6):
-            dist.barrier()
-            started = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - started)
-        seconds[size] = min(times[1:])
+        gathered = torch.empty(world * x.numel())
+        for op, call, args in (
+            ("all_reduce", dist.all_reduce, (x,)),
+            ("all_gather", dist.all_gather_into_tensor, (gathered, x)),
+        ):
+            times = []
+            for _ in range(6):
+                dist.barrier()
+                started = time.perf_counter()
+                call(*args)
+                times.append(time.perf_counter() - started)
+            seconds[op][size] = min(times[1:])
     if rank == 0:
         Path(out, "link.json").write_text(json.dumps(seconds))
     ctx.destroy()

@@ -59,6 +59,7 @@ class Piece:
     peak: float = 0.0
     grads: float = 0.0
     collectives: Counter = field(default_factory=Counter)  # (op, group, "count" | "bytes") -> n
+    device: float = 0.0  # of ``seconds``, the device's busy time (the rest the device waits on its host)
 
     def plus(self, other: Piece, times: float = 1.0) -> Piece:
         c = Counter(self.collectives)
@@ -71,6 +72,7 @@ class Piece:
             self.peak + times * other.peak,
             self.grads + times * other.grads,
             c,
+            self.device + times * other.device,
         )
 
     @property
@@ -83,8 +85,8 @@ def piece_of(trace: Trace, device: Device) -> Piece:
     for call in trace.collectives:
         c[(call.op, call.group, "count")] += 1
         c[(call.op, call.group, "bytes")] += call.bytes
-    seconds = timeline(trace.ops, device).seconds
-    return Piece(seconds, trace.weights, trace.params, trace.peak, trace.grads, c)
+    cost = timeline(trace.ops, device)
+    return Piece(cost.seconds, trace.weights, trace.params, trace.peak, trace.grads, c, cost.device_seconds)
 
 
 def pieces(traces: tuple[Trace, Trace, Trace], device: Device) -> tuple[Piece, Piece, Piece]:
@@ -108,7 +110,8 @@ def stage_piece(rest: Piece, enc: Piece, dec: Piece, encoder: int, decoder: int,
     if first:
         piece = piece.plus(Piece(weights=rest.weights, params=rest.params, grads=rest.grads))
     if last:
-        work = Piece(rest.seconds, peak=rest.peak - (rest.grads if first else 0), collectives=rest.collectives)
+        peak = rest.peak - (rest.grads if first else 0)
+        work = Piece(rest.seconds, peak=peak, collectives=rest.collectives, device=rest.device)
         piece = piece.plus(work)
     return piece
 
@@ -131,6 +134,7 @@ def checkpointed(parts: tuple[Piece, Piece, Piece], layer_input: float) -> tuple
     layers = []
     for layer in (enc, dec):
         kept = Piece(weights=layer.weights, params=layer.params, grads=layer.grads, collectives=layer.collectives)
-        layers.append(kept.plus(Piece(seconds=layer.seconds * 4 / 3, peak=layer.grads + layer_input)))
+        again = Piece(seconds=layer.seconds * 4 / 3, peak=layer.grads + layer_input, device=layer.device * 4 / 3)
+        layers.append(kept.plus(again))
     again = max(enc.activations, dec.activations)
     return rest.plus(Piece(peak=again)), layers[0], layers[1]

@@ -66,7 +66,8 @@ def predict_rank(cfg: Config, parts: tuple[Piece, Piece, Piece], shape: MicroSha
                 * size
             )
         )
-    peak = piece.weights + share.state + kept + (in_flight - 1) * piece.activations + piece.peak
+    own = max(piece.peak, piece.grads + share.transient)  # the backward's peak, or the reduction after it
+    peak = piece.weights + share.state + kept + (in_flight - 1) * piece.activations + own
     calls = list(share.collectives)
     for (op, group, what), n in piece.collectives.items():
         if what == "count" and n > 0:

@@ -23,7 +23,8 @@ from megaformer.parallel.layout import ParallelLayout, check_model_split
 from megaformer.parallel.stages import plan_stages
 from megaformer.plan.deepspeed import engine_share
 from megaformer.plan.price import Cluster, Piece, checkpointed, pieces, ring_seconds, stage_piece, tp_seconds
-from megaformer.plan.trace import fake_world, trace_layers
+from megaformer.plan.trace import trace_layers
+from megaformer.sim.deepspeed import fake_world
 from megaformer.sim.step import MicroShape
 
 GIB = 2**30
@@ -49,8 +50,10 @@ class Layout:
             train=dataclasses.replace(cfg.train, zero_stage=self.zero),
         )
 
-    def overrides(self) -> list[str]:
-        return [
+    def overrides(self, cfg: Config) -> list[str]:
+        """The ``--set`` values that give ``cfg`` this layout (``parallel.dp`` checks the world size at launch;
+        a stage cut of ``cfg`` cleared, the plan's stages being balanced by cost)."""
+        sets = [
             f"parallel.tp={self.tp}",
             f"parallel.pp={self.pp}",
             f"parallel.dp={self.dp}",
@@ -58,6 +61,7 @@ class Layout:
             f"model.activation_checkpointing={str(self.checkpointing).lower()}",
             f"data.max_tokens={self.micro_tokens}",
         ]
+        return sets + (["parallel.pp_split="] if cfg.parallel.pp_split else [])
 
 
 def refusal(cfg: Config, layout: Layout, world: int, gpus_per_node: int) -> str | None:
@@ -115,7 +119,7 @@ def price(cfg: Config, layout: Layout, cluster: Cluster, parts: tuple[Piece, Pie
     shape, m, tokens = _steps(cfg, layout, length)
     stages = plan_stages(cfg.model, layout.pp, "", cfg.data.vocab_size)
     t = cfg.train
-    memory, slowest, dp_s, opt_s = 0.0, 0.0, 0.0, 0.0
+    memory, slowest, busy, dp_s, opt_s = 0.0, 0.0, 0.0, 0.0, 0.0
     node_ranks = layout.tp * layout.dp
     for s, part in enumerate(stages):
         p = stage_piece(rest, enc, dec, len(part.encoder), len(part.decoder), part.first, part.last)
@@ -124,8 +128,11 @@ def price(cfg: Config, layout: Layout, cluster: Cluster, parts: tuple[Piece, Pie
         )
         in_flight = min(layout.pp - s, m)
         kept = share.grads if m > 1 else 0
-        memory = max(memory, p.weights + share.state + kept + (in_flight - 1) * p.activations + p.peak)
-        slowest = max(slowest, p.seconds + tp_seconds(p, layout.tp, cluster))
+        own = max(p.peak, p.grads + share.transient)  # the backward's peak, or the reduction after it
+        memory = max(memory, p.weights + share.state + kept + (in_flight - 1) * p.activations + own)
+        stage_s = p.seconds + tp_seconds(p, layout.tp, cluster)
+        if stage_s > slowest:
+            slowest, busy = stage_s, p.device
         dp_bps = cluster.intra_bps if node_ranks <= cluster.gpus_per_node else cluster.inter_bps
         calls = [c for c in share.collectives if c.group == "dp"]
         if layout.zero == 2 and m > 1:  # the earlier micro-batches' reductions overlap the next one's work
@@ -150,6 +157,7 @@ def price(cfg: Config, layout: Layout, cluster: Cluster, parts: tuple[Piece, Pie
         "memory_gib": round(memory / GIB, 3),
         "step_ms": round(step_s * 1e3, 3),
         "compute_ms": round(compute_s * 1e3, 3),
+        "device_ms": round(m * busy * 1e3, 3),  # of compute_ms, a GPU of the slowest stage busy
         "dp_ms": round(dp_s * 1e3, 3),
         "optimizer_ms": round(opt_s * 1e3, 3),
         "tokens_per_s": round(tokens / step_s),
@@ -173,7 +181,9 @@ def search(cfg: Config, cluster: Cluster, length: int = 27) -> dict:
                 checkpointed = dataclasses.replace(layout, checkpointing=True)
                 rows.append(row | {"reason": _too_big(row, cluster)})
                 row = _priced(cfg, checkpointed, cluster, length, cache)
+                layout = checkpointed
             rows.append(row if row["fits"] else row | {"reason": _too_big(row, cluster)})
+            rows[-1]["overrides"] = layout.overrides(cfg)
     fitting = [r for r in rows if r["fits"]]
     if not fitting:
         least = min(rows, key=lambda r: r["memory_gib"], default=None)

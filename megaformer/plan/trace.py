@@ -1,6 +1,6 @@
 """One micro-batch of a layout's rank, run by the real code on tensors that hold no data in a fake world.
 
-:func:`fake_world` starts ``torch.distributed`` with torch's ``fake`` backend (every collective a
+:func:`megaformer.sim.deepspeed.fake_world` starts ``torch.distributed`` with torch's ``fake`` backend (every collective a
 no-op that touches no data) for a world of N ranks in this one process; a :class:`ParallelContext`
 is built in it for the layout as on a cluster (``ParallelContext.initialize`` finds the world
 started), and passed explicitly as everywhere. :func:`trace_micro` builds rank 0's model (its TP
@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megaformer.config import Config
@@ -37,20 +35,6 @@ from megaformer.sim.ops import FusedAttention, Op, OpRecorder
 from megaformer.sim.step import MicroShape, _batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@contextlib.contextmanager
-def fake_world(world: int) -> Iterator[None]:
-    """``torch.distributed`` started on the fake backend, as rank 0 of ``world``; ended on leaving."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a fake world needs a process without torch.distributed started")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @dataclass

@@ -3,7 +3,13 @@
 * each kernel of the step made again and timed at its own shapes, strides and dtypes: a CPU's small matmuls
   run far below its peak, and its element-wise kernels below its bandwidth (a softmax over rows of 12 keys
   took 8.6 ns an element on the 2-core EPYC: per-row work, not memory);
+  A matmul streams its weights (and writes their gradients) from memory when the model's weights exceed the
+  last-level cache (on the 2-core EPYC, transformer_base's mm ran 20 % slower in its step than made again
+  and timed hot): it is then timed with the cache emptied first, the median of its repeats;
 * the bandwidth of an element-wise add at sizes from 48 KiB to 192 MiB, for a kernel that cannot be made again;
+* the first touch of new memory: glibc maps a storage of 32 MiB or more (its largest mmap threshold) from the
+  kernel at every allocation and unmaps it when freed, so writing it page-faults (0.4 ms a MiB on the EPYC,
+  ~12x a write to memory already mapped: DeepSpeed's flat gradient buckets at dp > 1);
 * the host's time per operator: the real step (:func:`megaformer.sim.step.run_step`) of the config
   at the smallest width its heads allow (4 dimensions a head, a 128-piece vocabulary, micro-batches
   of 2 sentences of 4 tokens), on real CPU tensors and one thread, so that its kernels cost next to
@@ -17,14 +23,17 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from megaformer.config import Config
-from megaformer.sim.ops import Op, made_again
+from megaformer.sim.ops import GEMMS, Op, made_again
 from megaformer.sim.roofline import Device
 from megaformer.sim.step import MicroShape, run_step
 from megaformer.train.metrics import measured_matmul_peak
+
+GLIBC_MMAP_MAX = 32 << 20  # glibc's mmap threshold grows with the chunks freed, to at most this on 64 bits
 
 
 def memory_bandwidth(nbytes: int = 8 << 20, repeats: int = 20) -> float:
@@ -49,11 +58,18 @@ def bandwidth_by_size(largest: int = 64 << 20) -> tuple[tuple[int, float], ...]:
     return tuple((3 * size, memory_bandwidth(size, repeats=max(5, (64 << 20) // size))) for size in sizes)
 
 
-def op_seconds(ops: list[Op], repeats: int = 3, rounds: int = 2) -> dict[tuple, float]:
-    """Each distinct kernel of ``ops`` (operator and argument layouts) made again and timed on this CPU: the
-    quickest of ``repeats`` calls after an untimed one, in each of ``rounds`` sweeps over them all (a burst of
-    another process's work on the cores then spoils one sweep's figure, not the kernel's). An operator that
-    cannot be made again (its arguments' values matter) is left out, and the roofline prices it."""
+def last_level_cache() -> int:
+    """Bytes of this CPU's last-level cache (sysfs; 32 MiB if it does not say)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 32 << 20
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def _made(ops: list[Op]) -> dict[tuple, tuple]:
+    """Each distinct kernel of ``ops`` made again (those whose arguments' values matter are left out)."""
     calls: dict[tuple, tuple] = {}
     for op in ops:
         if op.signature and op.signature not in calls:
@@ -64,15 +80,46 @@ def op_seconds(ops: list[Op], repeats: int = 3, rounds: int = 2) -> dict[tuple, 
             except Exception:  # noqa: BLE001 - a value-dependent operator: priced by the roofline instead
                 continue
             calls[op.signature] = (func, *made)
-    timed: dict[tuple, float] = {}
+    return calls
+
+
+def op_seconds(ops: list[Op], repeats: int = 3, rounds: int = 2, cold_gemms: bool = False) -> dict[tuple, float]:
+    """Each distinct kernel of ``ops`` (operator and argument layouts) made again and timed on this CPU: the
+    quickest of ``repeats`` calls after an untimed one, in each of ``rounds`` sweeps over them all (a burst of
+    another process's work on the cores then spoils one sweep's figure, not the kernel's). An operator that
+    cannot be made again (its arguments' values matter) is left out, and the roofline prices it.
+
+    ``cold_gemms``: a matmul is timed after reading twice the last-level cache, the median of its calls (its
+    weights come from memory, as in a step whose weights the cache cannot hold)."""
+    calls = _made(ops)
+    sweep = torch.empty(2 * last_level_cache() // 4).uniform_() if cold_gemms else None
+    cold = {signature for signature in calls if sweep is not None and signature[0]._overloadpacket.__name__ in GEMMS}
+    timed: dict[tuple, list[float]] = {}
     for _ in range(rounds):
         for signature, (func, args, kwargs) in calls.items():
             for _ in range(repeats):
+                if signature in cold:
+                    sweep.sum()
                 began = time.perf_counter()
                 func(*args, **kwargs)
-                took = time.perf_counter() - began
-                timed[signature] = min(took, timed.get(signature, took))
-    return timed
+                timed.setdefault(signature, []).append(time.perf_counter() - began)
+    return {signature: (statistics.median if signature in cold else min)(times) for signature, times in timed.items()}
+
+
+def fresh_memory_cost(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Seconds a byte to write a new ``nbytes`` storage beyond writing one already mapped (the quickest of
+    ``repeats``): the page faults of memory glibc maps anew (see the module docstring)."""
+
+    def quickest(make) -> float:
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            make().fill_(1.0)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    kept = torch.empty(nbytes // 4)
+    return max(0.0, quickest(lambda: torch.empty(nbytes // 4)) - quickest(lambda: kept)) / nbytes
 
 
 def narrowest(cfg: Config) -> Config:
@@ -100,9 +147,10 @@ def host_seconds_per_op(cfg: Config, micro_batches: int, steps: int = 5, builds:
     return statistics.median(figures)
 
 
-def cpu_device(cfg: Config, micro_batches: int, ops: list[Op] = ()) -> Device:
-    """This CPU as a :class:`Device`: the kernels of ``ops`` timed, its bandwidth by size, the host's time per
-    operator, no overlap (one thread dispatches and computes)."""
+def cpu_device(cfg: Config, micro_batches: int, ops: list[Op] = (), weight_bytes: int = 0) -> Device:
+    """This CPU as a :class:`Device`: the kernels of ``ops`` timed (matmuls cold where ``weight_bytes``, the
+    model's weights, exceed the last-level cache), its bandwidth by size, the host's time per operator, the
+    first touch of new memory, no overlap (one thread dispatches and computes)."""
     low = measured_matmul_peak(torch.bfloat16) if cfg.train.precision == "bf16" else 0.0
     by_size = bandwidth_by_size()
     return Device(
@@ -115,6 +163,8 @@ def cpu_device(cfg: Config, micro_batches: int, ops: list[Op] = ()) -> Device:
         min_kernel_s=0.0,
         host_op_s=host_seconds_per_op(cfg, micro_batches),
         overlap=False,
-        measured_seconds=op_seconds(list(ops)),
+        measured_seconds=op_seconds(list(ops), cold_gemms=weight_bytes > last_level_cache()),
         bandwidth_by_size=by_size,
+        fresh_min_bytes=GLIBC_MMAP_MAX,
+        fresh_s_per_byte=fresh_memory_cost(),
     )

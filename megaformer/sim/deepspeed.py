@@ -10,8 +10,11 @@ beyond the lean engine's, name by name: their count and host reads as measured, 
 those of the narrow run scaled by the full model's parameters over the narrow one's (the
 operators DeepSpeed adds are per-parameter casts, sums and norms), and the host time of its
 Python beyond them (hooks, per-parameter loops: the two steps' measured difference on one thread,
-less what its extra operators cost at the lean step's time per operator). The result is a model:
-it says so where it is printed.
+less what its extra operators cost at the lean step's time per operator). At ``dp`` replicas DeepSpeed's step runs as rank 0 of a fake world
+of ``dp`` ranks (:func:`fake_world`: torch's ``fake`` backend, every collective a no-op), so that its
+data-parallel work is counted (ZeRO's partitions, the flat buckets it reduces); the collectives
+themselves are left out, for the caller to price on its links. The result is a model: it says so
+where it is printed.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import collections
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megaformer.config import Config
 from megaformer.parallel import DropoutRNG, ParallelContext
@@ -67,41 +73,94 @@ def _narrow_run(cfg: Config, ctx: ParallelContext, micro_batches: int, steps: in
     return recorder.ops, min(times), sum(p.numel() for p in model.parameters())
 
 
-def deepspeed_extra(cfg: Config, micro_batches: int, full_parameters: int) -> list[Op]:
-    """DeepSpeed's operators beyond the lean engine's in one step of ``cfg`` (see the module docstring).
+COLLECTIVE_OPS = ("allreduce", "allgather", "_allgather", "reduce_scatter", "_reduce_scatter", "broadcast", "barrier")
 
-    Builds a one-process world in this process: DeepSpeed reads ``LOCAL_RANK`` from the environment, which the
-    caller sets (an entry point's business, as every launch variable)."""
-    small = narrowest(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, backend="gloo")))
-    ctx = ParallelContext.initialize(small.parallel, 0, 1, single_process_group=True)
+
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """``torch.distributed`` started on the fake backend, as rank 0 of ``world``; ended on leaving."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a fake world needs a process without torch.distributed started")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        runs = {}
-        for optimizer in ("deepspeed", "lean"):
-            which = dataclasses.replace(small, train=dataclasses.replace(small.train, optimizer=optimizer))
-            runs[optimizer] = _narrow_run(which, ctx, micro_batches)
+        yield
     finally:
-        ctx.destroy()
+        dist.destroy_process_group()
+
+
+def _runs(small: Config, micro_batches: int, dp: int) -> dict[str, tuple[list[Op], float, int]]:
+    """Both engines' narrow steps: the lean one in a world of one, DeepSpeed's as rank 0 of ``dp`` (fake if > 1)."""
+    runs = {}
+    for optimizer in ("deepspeed", "lean"):
+        size = dp if optimizer == "deepspeed" else 1
+        parallel = dataclasses.replace(small.parallel, dp=size, pp=1, pp_split="")
+        which = dataclasses.replace(
+            small, parallel=parallel, train=dataclasses.replace(small.train, optimizer=optimizer)
+        )
+        with fake_world(size) if size > 1 else contextlib.nullcontext():
+            ctx = ParallelContext.initialize(parallel, 0, size, single_process_group=True)
+            try:
+                runs[optimizer] = _narrow_run(which, ctx, micro_batches)
+            finally:
+                ctx.destroy()
+    return runs
+
+
+@dataclass
+class DeepSpeedExtra:
+    """DeepSpeed's step against the lean engine's: its own operators, and the lean operators it does not run
+    (its optimizer over a partition instead of the whole, no gradient accumulation into ``.grad`` at ZeRO-2)."""
+
+    ops: list[Op]
+    dropped: dict[str, int]  # operator name -> how many of the lean step's last ones DeepSpeed does not run
+
+
+def deepspeed_extra(cfg: Config, micro_batches: int, full_parameters: int, dp: int = 1) -> DeepSpeedExtra:
+    """DeepSpeed's operators beyond the lean engine's in one step of ``cfg`` at ``dp`` replicas (see the module
+    docstring), its collectives left out, and the lean operators it does not run.
+
+    DeepSpeed reads ``LOCAL_RANK`` from the environment, which the caller sets (an entry point's business, as
+    every launch variable)."""
+    small = narrowest(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, backend="gloo")))
+    runs = _runs(small, micro_batches, dp)
     (ds_ops, ds_seconds, narrow_parameters), (lean_ops, lean_seconds, _) = runs["deepspeed"], runs["lean"]
+    ds_ops = [op for op in ds_ops if not op.name.startswith(COLLECTIVE_OPS)]
     scale = full_parameters / narrow_parameters
-    extra = collections.Counter(op.name for op in ds_ops) - collections.Counter(op.name for op in lean_ops)
-    model: dict[str, Op] = {}
-    for op in ds_ops:
-        if op.name in extra and op.name not in model:
-            same = [o for o in ds_ops if o.name == op.name]
-            nbytes = sum(o.bytes for o in same) / len(same) * scale
-            kernels = round(sum(o.kernels for o in same) / len(same))
-            model[op.name] = Op(op.name, 0.0, nbytes, kernels, False, False, True, op.dtype, "deepspeed")
-    ops = [model[name] for name, count in extra.items() for _ in range(count)]
+
+    def key(op: Op) -> tuple:
+        return op.name, op.bytes, op.new_bytes, op.kernels, op.dtype
+
+    # the operators the lean step has too (the model's) cancel out exactly; each of DeepSpeed's own keeps its sizes
+    extra = collections.Counter(map(key, ds_ops)) - collections.Counter(map(key, lean_ops))
+    dropped = collections.Counter(
+        k[0] for k in (collections.Counter(map(key, lean_ops)) - collections.Counter(map(key, ds_ops))).elements()
+    )
+    ops = [
+        Op(name, 0.0, nbytes * scale, kernels, False, False, True, dtype, "deepspeed", new_bytes=made * scale)
+        for (name, nbytes, made, kernels, dtype), count in extra.items()
+        for _ in range(count)
+    ]
     # DeepSpeed's Python beyond its operators' dispatch (hooks, per-parameter loops): the measured difference of
     # the two steps less what its extra operators cost at the lean step's time per operator
     python = ds_seconds - lean_seconds - len(ops) * lean_seconds / len(lean_ops)
     ops.append(Op("deepspeed python", 0.0, 0.0, 0, False, False, False, "", "deepspeed", max(0.0, python)))
     reads = sum(o.host_read for o in ds_ops) - sum(o.host_read for o in lean_ops)
     read = Op("_local_scalar_dense", 0.0, 0.0, 0, True, False, True, "", "deepspeed")
-    return [o for o in ops if o.name != "_local_scalar_dense"] + [read] * max(0, reads)
+    return DeepSpeedExtra([o for o in ops if o.name != "_local_scalar_dense"] + [read] * max(0, reads), dict(dropped))
 
 
-def with_deepspeed(ops: list[Op], extra: list[Op]) -> list[Op]:
-    """``ops`` of a lean step with DeepSpeed's ``extra`` before the step's last read (its own read comes first)."""
-    last = max((i for i, op in enumerate(ops) if op.host_read), default=len(ops))
-    return ops[:last] + extra + ops[last:]
+def with_deepspeed(ops: list[Op], extra: DeepSpeedExtra) -> list[Op]:
+    """``ops`` of a lean step less the last of those DeepSpeed does not run, with its own operators before the
+    step's last read (its own read comes first)."""
+    left = dict(extra.dropped)
+    kept = []
+    for op in reversed(ops):
+        if left.get(op.name, 0) > 0:
+            left[op.name] -= 1
+            continue
+        kept.append(op)
+    kept.reverse()
+    last = max((i for i, op in enumerate(kept) if op.host_read), default=len(kept))
+    return kept[:last] + extra.ops + kept[last:]

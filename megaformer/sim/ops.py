@@ -12,7 +12,9 @@ code's, nothing is computed. :class:`OpRecorder` is a ``TorchDispatchMode`` that
 * **kernels**: 0 for views and allocations, 1 for an operator, and for the foreach and
   fused optimizer operators the launches CUDA's ``multi_tensor_apply`` makes;
 * **host reads**: ``item`` / ``tolist`` of a device value (``_local_scalar_dense``) and copies
-  from the device to the host, each a wait for every kernel queued before it on a GPU.
+  from the device to the host, each a wait for every kernel queued before it on a GPU;
+* **new bytes**: the storages it makes (a CPU pays for the first touch of a large one: see
+  :class:`megaformer.sim.roofline.Device`).
 
 Why the meta device and not fake CUDA tensors for the GPU: with torch's CUDA build and no
 driver, the autograd engine refuses a backward over fake CUDA tensors
@@ -75,6 +77,7 @@ class Op:
     phase: str = ""  # the step's part it belongs to (forward, backward, optimizer, ...)
     host_s: float = 0.0  # host time of its own beside the per-operator dispatch (modelled Python work)
     signature: tuple = ()  # (operator, its arguments with each tensor as a TensorSpec): to time it again on a CPU
+    new_bytes: float = 0.0  # the bytes of the storages it makes (outputs that are no input's storage or view)
 
 
 def _extent_bytes(t: torch.Tensor) -> int:
@@ -209,7 +212,19 @@ class OpRecorder(TorchDispatchMode):
         gemm = name in GEMMS
         signature = (func, _spec(args), _spec(kwargs)) if self.signatures and kernels else ()
         dtype = _widest_float(tensors)
-        return Op(name, flops, nbytes, kernels, host_read, gemm, on_device, dtype, self.phase, 0.0, signature)
+        made = _new_storage_bytes(inputs, outputs) if on_device else 0
+        return Op(name, flops, nbytes, kernels, host_read, gemm, on_device, dtype, self.phase, 0.0, signature, made)
+
+
+def _new_storage_bytes(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """The bytes of the storages among ``outputs`` that no input holds (an in-place result or a view makes none)."""
+    held = {t.untyped_storage()._cdata for t in inputs}
+    made: dict[int, int] = {}
+    for t in outputs:
+        storage = t.untyped_storage()
+        if storage._cdata not in held:
+            made[storage._cdata] = storage.nbytes()
+    return sum(made.values())
 
 
 class _FusedAttentionFn(torch.autograd.Function):

@@ -7,6 +7,11 @@ shorter than ``min_kernel_s``. The host spends ``host_op_s`` on every operator i
 (Python, autograd and the dispatcher, measured on a CPU: :func:`megaformer.sim.calibrate`)
 and ``launch_s`` on every kernel launch.
 
+A CPU's allocator (glibc) maps a storage of ``fresh_min_bytes`` or more anew from the kernel each
+time and returns it when freed, so its first touch page-faults: ``fresh_s_per_byte`` more (a GPU's
+caching allocator keeps its memory: 0). A kernel timed again on the CPU made its outputs itself, so
+only an operator whose time is not measured (an allocation, a modelled one) adds it.
+
 On a GPU the two run side by side: the device starts a kernel once the host has queued it
 and the kernel before it is done, and a host read of a device value (``item``, a copy to the
 host) makes the host wait until the device has finished everything queued (:func:`timeline`).
@@ -40,19 +45,22 @@ class Device:
     # element-wise pass at growing sizes (its caches make small passes faster than its memory)
     measured_seconds: dict = field(default_factory=dict, compare=False)
     bandwidth_by_size: tuple = ()
+    fresh_min_bytes: float = float("inf")  # a storage this large is new memory from the kernel each time
+    fresh_s_per_byte: float = 0.0  # its first touch (page faults)
 
     def with_host(self, host_op_s: float) -> Device:
         return replace(self, host_op_s=host_op_s)
 
     def device_seconds(self, op: Op) -> float:
-        if not op.kernels:
-            return 0.0
-        if op.signature in self.measured_seconds:
+        if op.signature and op.signature in self.measured_seconds:
             return self.measured_seconds[op.signature]
+        fresh = op.new_bytes * self.fresh_s_per_byte if op.new_bytes >= self.fresh_min_bytes else 0.0
+        if not op.kernels:
+            return fresh
         peak = self.peak_low if op.dtype in LOW_PRECISION else self.peak_fp32
         compute = op.flops / (peak * self.gemm_efficiency) if op.gemm else 0.0
         memory = op.bytes / (self._bandwidth(op.bytes) * self.memory_efficiency)
-        return max(compute, memory, op.kernels * self.min_kernel_s)
+        return max(compute, memory, op.kernels * self.min_kernel_s) + fresh
 
     def _bandwidth(self, nbytes: float) -> float:
         """The bandwidth of a pass of ``nbytes``: that measured at the nearest size at or above it, else the last."""
