@@ -49,6 +49,16 @@ def corpus(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def synthetic_data(tmp_path_factory):
+    """A prepared directory of the built-in corpus (300 pairs, shards of 100), once per test file."""
+    from megaformer import cli
+
+    out = tmp_path_factory.mktemp("data") / "data"
+    assert cli.main(["prepare", "--synthetic", "300", "--out", str(out), "--shard-size", "100", "--quiet"]) == 0
+    return out
+
+
 @pytest.fixture
 def run(capsys):
     """megaformer.cli.main(argv) -> (status, stdout, stderr); argparse's SystemExit becomes a status."""

@@ -24,7 +24,6 @@ from decode_helpers import make_text_checkpoint, one_thread  # noqa: F401
 from train_helpers import FAKES, ROOT
 
 from megaformer import checkpoint as ckpt
-from megaformer import cli
 from megaformer.config import to_dict
 from megaformer.errors import CheckpointError
 from megaformer.parallel import ParallelContext
@@ -92,19 +91,11 @@ def test_translate_hashes_each_file_once(runs, which, tp, tmp_path):
 
 
 @pytest.fixture
-def run(capsys, monkeypatch):
+def run(run, monkeypatch):
+    """conftest's ``run``, with no CUDA device visible."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-    def call(*argv):
-        try:
-            code = cli.main([str(a) for a in argv])
-        except SystemExit as stop:
-            code = stop.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return call
+    return run
 
 
 def test_optimizer_files_are_never_opened(runs, tmp_path, run):

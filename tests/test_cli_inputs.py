@@ -171,6 +171,7 @@ PATHS = [
     (("evaluate", "--ckpt", "{model}", "--input", "{fifo}", "--ref", "{fifo}"), "one stream (standard input or a"),
     ((*EVALUATE, "--output", "-", "--json"), "the hypotheses and the JSON object would share stdout"),
     (("train", "--config", "{missing}"), "argument --config: "),
+    (("wmt14", "--raw", "{dir}", "--work", "{file}"), "argument --work: "),
     (("train", "--config", "{tiny}", "--run-dir", "{file}"), "argument --run-dir: "),
     (("train", "--config", "{tiny}", "--resume", "{missing}"), "argument --resume: "),
     (("train", "--config", "{nodata_yaml}"), "missing-data"),
@@ -220,7 +221,7 @@ def test_standard_input_under_two_names_is_refused(paths):
 # ---- every option is checked ----------------------------------------------------------------------
 
 # Options whose value is a file or folder, by destination name.
-PATH_DESTS = {"ckpt", "out", "input", "output", "ref", "hyp", "config", "run_dir", "resume", "spm", "dir"}
+PATH_DESTS = {"ckpt", "out", "input", "output", "ref", "hyp", "work", "config", "run_dir", "resume", "spm", "dir"}
 # Commands owned elsewhere whose path checks come with their own change (export moves to megaformer/export/).
 PATHS_CHECKED_ELSEWHERE = {"export"}
 

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_one_line_error
 
-from megaformer import cli
 from megaformer.errors import ConfigError
 from megaformer.train import launch
 from megaformer.train.launch import OVERSUBSCRIBE_FACTOR, check_local_ranks
@@ -23,10 +22,8 @@ def test_ranks_beyond_the_factor_a_core_are_refused_with_the_way_to_allow_them()
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "data"
-    assert cli.main(["prepare", "--synthetic", "300", "--out", str(out), "--shard-size", "100", "--quiet"]) == 0
-    return out
+def data(synthetic_data: Path) -> Path:
+    return synthetic_data
 
 
 @pytest.mark.parametrize("check", [True, False])

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_one_line_error
 
-from megaformer import cli
 from megaformer.errors import ConfigError
 from megaformer.files import path_refusal
 from megaformer.train.run_lock import LOCK_NAME, RunLock
@@ -209,10 +208,8 @@ def test_the_run_lock_refuses_a_lock_in_a_link_loop(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "data"
-    assert cli.main(["prepare", "--synthetic", "300", "--out", str(out), "--shard-size", "100", "--quiet"]) == 0
-    return out
+def data(synthetic_data: Path) -> Path:
+    return synthetic_data
 
 
 @pytest.mark.parametrize("check", [True, False])

@@ -118,3 +118,15 @@ def test_make_wmt14_end_to_end_on_a_wmt_shaped_tree(tmp_path):
     again = _make(raw, work, "WMT14_LAUNCH=local", "WMT14_NPROC=2")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "is prepared already: kept" in again.stdout
+
+
+def test_submit_options_that_do_not_parse_are_one_line(tmp_path):
+    import sys
+
+    from wmt14_tree import ROOT_OF_CHECKOUT
+
+    for option, value in (("--sbatch-args", "--nodes='2"), ("--sbatch", "")):
+        argv = [sys.executable, "-m", "megaformer.cli", "wmt14", "--raw", str(tmp_path), f"{option}={value}"]
+        proc = subprocess.run(argv, cwd=ROOT_OF_CHECKOUT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"megaformer wmt14: error: {option} "), proc.stderr
+        assert proc.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()

@@ -216,6 +216,9 @@ TINY_SETS = (
 )
 
 
+ROOT_OF_CHECKOUT = Path(__file__).resolve().parents[1]
+
+
 def make_wmt14(raw: Path, work: Path, *variables: str, env: dict | None = None, timeout: int = 900):
     """``make wmt14`` at tiny shapes with this interpreter's venv (``-o install``: the suite runs from an installed
     one); ``variables`` after the tiny ones win."""

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from megaformer.cli_args import nonneg_int
+from megaformer.cli_args import new_dir, nonneg_int
 from megaformer.recipes.multi30k import Machine, Multi30k, run_multi30k, steps
 
 
@@ -27,7 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gpus", type=nonneg_int, help="CUDA GPUs to use: 0 trains on the CPU (default: nvidia-smi's)")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: bf16 on a GPU or a CPU with native bf16")
-    p.add_argument("--work", default="runs/multi30k", help="where the data, runs and scores go (default: %(default)s)")
+    p.add_argument(
+        "--work",
+        type=new_dir,
+        default="runs/multi30k",
+        help="where the data, runs and scores go (default: %(default)s)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
 
 

@@ -12,14 +12,16 @@ import argparse
 import shlex
 from pathlib import Path
 
-from megaformer.cli_args import existing_dir, existing_file, int_range, positive_int
+from megaformer.cli_args import existing_dir, existing_file, int_range, new_dir, positive_int
 from megaformer.errors import MegaformerError
 from megaformer.recipes.wmt14 import DOWNLOADS, LAUNCHES, ROOT, Wmt14, run_wmt14
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", type=existing_dir, required=True, help=f"the folder of WMT'14's {', '.join(DOWNLOADS)}")
-    p.add_argument("--work", default="runs/wmt14", help="where the data, run and scores go (default: %(default)s)")
+    p.add_argument(
+        "--work", type=new_dir, default="runs/wmt14", help="where the data, run and scores go (default: %(default)s)"
+    )
     p.add_argument("--config", type=existing_file, default=str(ROOT / "configs" / "transformer_big.yaml"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="training override (repeat)")
     p.add_argument("--vocab-size", type=int_range(100), default=37000, help="shared pieces (the paper's 37,000)")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaformer.config import ModelConfig
+from megaformer.config import Config, ModelConfig
 from megaformer.data.tokenizer import PAD_ID
 from megaformer.model.attention import DecoderCache
 from megaformer.model.layers import DecoderLayer, EncoderLayer
@@ -78,6 +78,22 @@ class Transformer(nn.Module):
     :func:`padded_vocab_size` rows and the padding never gets probability.
     Parameters are initialised from ``seed`` independently of the TP size.
     """
+
+    @classmethod
+    def of_run(cls, cfg: Config, tp: TPGroup, rng: DropoutRNG, part: StagePart | None = None) -> Transformer:
+        """The model a run of ``cfg`` trains (or its pipeline stage ``part``), on the current default device: the
+        Trainer's, and the simulation's and the plan's, which must follow it."""
+        return cls(
+            cfg.model,
+            cfg.data.vocab_size,
+            tp,
+            rng,
+            seed=cfg.train.seed,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            vocab_multiple=cfg.parallel.vocab_multiple,
+            pad_to_multiple=cfg.parallel.pad_to_multiple,
+            part=part,
+        )
 
     def __init__(
         self,

@@ -22,7 +22,6 @@ from types import SimpleNamespace
 import torch
 
 from megaformer.config import load_config
-from megaformer.data.tokenizer import PAD_ID
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.parallel.stages import plan_stages
@@ -55,18 +54,7 @@ class _RankStep:
         self.cfg, self.ctx = cfg, ctx
         self.rng = DropoutRNG(t.seed, ctx.tp, ctx.dp_rank, cfg.parallel.dropout_rng)
         stages = plan_stages(cfg.model, ctx.pp_size, cfg.parallel.pp_split, cfg.data.vocab_size)
-        model = Transformer(
-            cfg.model,
-            cfg.data.vocab_size,
-            ctx.tp,
-            self.rng,
-            seed=t.seed,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-            vocab_multiple=cfg.parallel.vocab_multiple,
-            pad_to_multiple=cfg.parallel.pad_to_multiple,
-            pad_id=PAD_ID,
-            part=stages[ctx.pp_rank],
-        ).to(ctx.device)
+        model = Transformer.of_run(cfg, ctx.tp, self.rng, stages[ctx.pp_rank]).to(ctx.device)
         self.engine = build_engine(cfg, ctx, model, len(shapes))
         self.pipeline = Pipeline(ctx, model, stages) if ctx.pp_size > 1 else None
         if self.pipeline is not None:

@@ -26,7 +26,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from megaformer.config import Config
-from megaformer.data.tokenizer import PAD_ID
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.plan.measure import context_groups
@@ -61,17 +60,7 @@ def trace_micro(cfg: Config, ctx: ParallelContext, shape: MicroShape, device: st
     with fake, FusedAttention() if meta else contextlib.nullcontext(), live:
         rng = DropoutRNG(cfg.train.seed, ctx.tp, 0, cfg.parallel.dropout_rng)
         with torch.device(device) if meta else contextlib.nullcontext():
-            model = Transformer(
-                cfg.model,
-                cfg.data.vocab_size,
-                ctx.tp,
-                rng,
-                seed=cfg.train.seed,
-                sequence_parallel=cfg.parallel.sequence_parallel,
-                vocab_multiple=cfg.parallel.vocab_multiple,
-                pad_to_multiple=cfg.parallel.pad_to_multiple,
-                pad_id=PAD_ID,
-            )
+            model = Transformer.of_run(cfg, ctx.tp, rng)
         _cast(model, DTYPES[cfg.train.precision])
         model.train()
         batch = _batch(shape, cfg.data.vocab_size).to(device)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from megaformer.errors import ConfigError
@@ -58,7 +58,6 @@ class Wmt14:
     sbatch_args: tuple[str, ...] = ()
     nproc: int = 1
     average: int | None = None
-    prepare_args: tuple[str, ...] = field(default=())
 
     @property
     def data(self) -> Path:
@@ -91,7 +90,7 @@ def prepare_command(recipe: Wmt14) -> list[str]:
     for name in TRAIN_ARCHIVES:
         args += ["--train", str(recipe.raw / name)]
     args += ["--valid", str(recipe.raw / VALID), "--test", str(recipe.raw / TEST)]
-    return [*args, "--vocab-size", str(recipe.vocab_size), "--out", str(recipe.data), *recipe.prepare_args]
+    return [*args, "--vocab-size", str(recipe.vocab_size), "--out", str(recipe.data)]
 
 
 def _overrides(recipe: Wmt14) -> list[str]:

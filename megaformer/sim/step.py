@@ -25,7 +25,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from megaformer.config import Config
 from megaformer.data.batching import plan_step
 from megaformer.data.stream import Batch
-from megaformer.data.tokenizer import PAD_ID
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
 from megaformer.sim.ops import FusedAttention, Op, OpRecorder
@@ -64,16 +63,7 @@ def _batch(shape: MicroShape, vocab: int) -> Batch:
 
 def build_model(cfg: Config, ctx: ParallelContext, rng: DropoutRNG) -> Transformer:
     """The Trainer's model at tp=1 on ``ctx.device`` (the engine casts it to the run's precision)."""
-    model = Transformer(
-        cfg.model,
-        cfg.data.vocab_size,
-        ctx.tp,
-        rng,
-        seed=cfg.train.seed,
-        vocab_multiple=cfg.parallel.vocab_multiple,
-        pad_to_multiple=cfg.parallel.pad_to_multiple,
-        pad_id=PAD_ID,
-    )
+    model = Transformer.of_run(cfg, ctx.tp, rng)
     if next(model.parameters()).device != ctx.device:  # built under FakeTensorMode, it is there already
         model.to(ctx.device)
     return model.train()

@@ -9,7 +9,6 @@ from megaformer import checkpoint as ckpt
 from megaformer.config import Config
 from megaformer.data.manifest import manifest_path, read_manifest
 from megaformer.data.stream import open_prepared
-from megaformer.data.tokenizer import PAD_ID
 from megaformer.errors import ConfigError
 from megaformer.model import Transformer
 from megaformer.parallel import DropoutRNG, ParallelContext
@@ -47,18 +46,7 @@ def resume_point(resume: str, run_dir: Path, log: Log) -> Path | None:
 def build_model(cfg: Config, ctx: ParallelContext, rng: DropoutRNG, part: StagePart, log: Log) -> Transformer:
     """This rank's part of the model (its pipeline stage, its TP shard) on the run's device, compiled if asked."""
     t = cfg.train
-    model = Transformer(
-        cfg.model,
-        cfg.data.vocab_size,
-        ctx.tp,
-        rng,
-        seed=t.seed,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        vocab_multiple=cfg.parallel.vocab_multiple,
-        pad_to_multiple=cfg.parallel.pad_to_multiple,
-        pad_id=PAD_ID,
-        part=part,
-    ).to(ctx.device)
+    model = Transformer.of_run(cfg, ctx.tp, rng, part).to(ctx.device)
     native_bf16 = ctx.device.type != "cpu" or cpu_bf16_missing() is None
     compiled, why = compile_choice(t.compile, ctx.device, t.precision, t.max_minutes, native_bf16)
     if compiled:
