@@ -445,7 +445,7 @@ model_check() { # model_check base|big GPU
     alone=$("$PY" benchmarks/gpu_throughput.py --config "configs/transformer_$model.yaml" --device "$DEVICE" \
         --tokens "${micro:-25000}" --len 27 --vocab-size "$WMT_VOCAB" "${narrow[@]}" "${ALONE[@]}" "${compiled[@]}" \
         --json 2>>"$run.log" | tail -1)
-    sim=$(predict "$gpu" "configs/transformer_$model.yaml" "${sets[@]}" --set "data.vocab_size=$WMT_VOCAB")
+    sim=$(predict "$gpu" "configs/transformer_$model.yaml" "${sets[@]}" --set "data.vocab_size=$WMT_VOCAB" --feed-data "$WMT")
     if [ "$code" = 0 ] && line=$("$PY" - "$run" "$((PROFILE_FROM + PROFILE_STEPS - 1))" "$alone" "$min_mfu" "$sim" "$gpu" <<'EOF'
 import json, math, sys
 run, profiled, alone, min_mfu, sim, gpu = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]

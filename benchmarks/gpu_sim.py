@@ -1,12 +1,14 @@
 """The GPU training step of a config, predicted without a GPU from the real code's operators.
 
-    python benchmarks/gpu_sim.py --config configs/transformer_big.yaml --gpu h200 [--set k=v] [--len 27] [--json]
+    python benchmarks/gpu_sim.py --config configs/transformer_big.yaml --gpu h200 [--set k=v] [--len 27]
+        [--feed-data DIR] [--json]
     python benchmarks/gpu_sim.py --validate [--json]
 
 The first form runs one steady training step of the config as ``megaformer train`` runs it on one
 GPU (tp=1, one replica: the lean optimizer, the fused dropout and loss kernels) on the meta device,
 records every aten operator (megaformer/sim/ops.py) and prices it on the GPU's roofline with this
-CPU's measured host time per operator (megaformer/sim/roofline.py, calibrate.py). Micro-batches:
+CPU's measured host time per operator (megaformer/sim/roofline.py, calibrate.py), after the data
+feed's host time (the Trainer's feed run alone on this CPU, megaformer/sim/feed.py). Micro-batches:
 sentences of ``--len`` tokens a side (27: WMT'14 en-de's mean in pieces, eos included), as many as
 ``data.max_tokens`` holds, as many as the step plan gives. It prints the predicted step, target
 tokens/s, MFU (6 x parameters x target tokens / (step x dense bf16 peak)), kernels, GB moved, host
@@ -36,13 +38,14 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from megaformer import cli  # noqa: E402
-from megaformer.cli_args import int_range, positive_int  # noqa: E402
+from megaformer.cli_args import existing_dir, int_range, positive_int  # noqa: E402
 from megaformer.config import Config, load_config  # noqa: E402
 from megaformer.errors import MegaformerError  # noqa: E402
 from megaformer.info import model_info  # noqa: E402
 from megaformer.parallel import fused  # noqa: E402
 from megaformer.sim.calibrate import cpu_device, host_seconds_per_op  # noqa: E402
 from megaformer.sim.deepspeed import deepspeed_extra, with_deepspeed  # noqa: E402
+from megaformer.sim.feed import FeedCost, feed_cost, feed_op  # noqa: E402
 from megaformer.sim.roofline import GPUS, StepCost, timeline  # noqa: E402
 from megaformer.sim.step import MicroShape, record_step, step_shape  # noqa: E402
 
@@ -76,15 +79,19 @@ def summary(cfg: Config, shapes: list[MicroShape], cost: StepCost, peak: float, 
     }
 
 
-def predict_gpu(cfg: Config, gpu: str, length: int, engine: str = "lean", unfused: bool = False, top: int = 12) -> dict:
+def predict_gpu(
+    cfg: Config, gpu: str, length: int, feed: FeedCost, engine: str = "lean", unfused: bool = False, top: int = 12
+) -> dict:
     """The step of ``cfg`` on ``gpu``: the lean engine's, or DeepSpeed's (modelled); ``unfused``: the dropout and
-    loss in their many-kernel eager forms (the step before their one-kernel operators)."""
+    loss in their many-kernel eager forms (the step before their one-kernel operators); ``feed``: the data
+    feed's cost on this CPU, scaled to the step's target tokens."""
     shapes = step_shape(cfg, length)
     host_op_s = host_seconds_per_op(cfg, len(shapes))
     device = GPUS[gpu].with_host(host_op_s)
+    feed_s = feed.seconds_for(sum(m.target_tokens for m in shapes))
     with fused.unfused() if unfused else contextlib.nullcontext():
-        ops = record_step(cfg, shapes, "meta")
-    modelled = ["SDPA as CUDA's fused kernel (its meta form)"]
+        ops = [feed_op(feed_s), *record_step(cfg, shapes, "meta")]
+    modelled = ["SDPA as CUDA's fused kernel (its meta form)", "the data feed: run alone on this CPU, no pinning"]
     if engine == "deepspeed":
         for name, value in (("MASTER_ADDR", "127.0.0.1"), ("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)  # DeepSpeed's engine, in a world of this one process
@@ -92,6 +99,7 @@ def predict_gpu(cfg: Config, gpu: str, length: int, engine: str = "lean", unfuse
         modelled.append("DeepSpeed's optimizer: its operators beyond the lean engine's, run at the narrowest width")
     cost = timeline(ops, device)
     head = {"gpu": device.name, "engine": engine, "fused": not unfused, "modelled": modelled}
+    head["feed_ms"] = round(feed_s * 1e3, 2)
     return head | summary(cfg, shapes, cost, device.peak_low, host_op_s, top)
 
 
@@ -138,8 +146,11 @@ def measure_and_predict(name: str, cfg_path: Path, sets: tuple[str, ...], data: 
     finally:
         ctx.destroy()
     records = [record_step(cfg, shapes, "cpu") for shapes in shapes_of]
-    device = cpu_device(cfg, len(shapes_of[0]), [op for ops in records for op in ops])
-    predicted = [timeline(ops, device).seconds for ops in records]
+    weights = 4 * model_info(cfg)["parameters"]  # fp32
+    device = cpu_device(cfg, len(shapes_of[0]), [op for ops in records for op in ops], weight_bytes=weights)
+    feed = feed_cost(cfg, data)  # the Trainer's feed alone; a step within an epoch, as the quickest step is
+    feed_s = [feed.seconds_for(sum(m.target_tokens for m in shapes), steady=True) for shapes in shapes_of]
+    predicted = [timeline([feed_op(f), *ops], device).seconds for f, ops in zip(feed_s, records)]
     # each step's own prediction against its measurement, the quickest of them (a busy core stalls a step's threads)
     measured_s = min(times)
     predicted_s = min(predicted)
@@ -148,11 +159,24 @@ def measure_and_predict(name: str, cfg_path: Path, sets: tuple[str, ...], data: 
         "measured_ms": round(measured_s * 1e3, 2),
         "error": round(predicted_s / measured_s - 1, 3),
         "steps": steps,
+        "feed_ms": round(min(feed_s) * 1e3, 2),
         "host_us_per_op": round(device.host_op_s * 1e6, 2),
         "fp32_gflops": round(device.peak_fp32 / 1e9, 1),
         "bandwidth_gbs": {f"{size >> 10} KiB": round(rate / 1e9, 1) for size, rate in device.bandwidth_by_size},
         "kernels_timed": len(device.measured_seconds),
     }
+
+
+def corpus_feed(cfg: Config, data: Path | None) -> FeedCost:
+    """The Trainer's feed of ``cfg`` timed on ``data``, or on a corpus of WMT'14 en-de's lengths made for it."""
+    if data is not None:
+        return feed_cost(cfg, Path(data))
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
+        made = Path(tmp) / "data"
+        argv = ["prepare", "--synthetic", "20000", "--synthetic-shape", "wmt14", "--vocab-size", "1000"]
+        if cli.main([*argv, "--out", str(made), "--quiet"]) != 0:
+            raise SystemExit("gpu_sim: prepare failed")
+        return feed_cost(cfg, made)
 
 
 def validate(steps: int) -> dict:
@@ -161,13 +185,15 @@ def validate(steps: int) -> dict:
         data = tmp / "data"
         if cli.main(["prepare", "--synthetic", "4000", "--out", str(data), "--quiet"]) != 0:
             raise SystemExit("gpu_sim: prepare failed")
-        cpu = {
-            "tiny": measure_and_predict("tiny", ROOT / "configs/tiny.yaml", (), data, tmp, steps),
+        cpu = {  # tiny's steps take ~40 ms: four times as many, for a quickest step as steady as base's
+            "tiny": measure_and_predict("tiny", ROOT / "configs/tiny.yaml", (), data, tmp, 4 * steps),
             "base": measure_and_predict("base", ROOT / "configs/transformer_base.yaml", BASE_ON_CPU, data, tmp, steps),
         }
-    sets, length = H200_2026_11_30
-    cfg = load_config(ROOT / "configs/transformer_big.yaml", ["parallel.tp=1", *sets])
-    old = predict_gpu(cfg, "h200", length, engine="deepspeed", unfused=True)
+        sets, length = H200_2026_11_30
+        cfg = load_config(ROOT / "configs/transformer_big.yaml", ["parallel.tp=1", *sets])
+        # that run's corpus (the built-in one, 4,000 pairs: an epoch every ~2 steps) through that tree's feed
+        feed = feed_cost(cfg, data, steps=30, restart_each_epoch=True)
+    old = predict_gpu(cfg, "h200", length, feed, engine="deepspeed", unfused=True)
     return {
         "cpu": cpu,
         "h200_2026_11_30_tokens_per_s": old["target_tokens_per_s"],
@@ -201,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--unfused", action="store_true", help="the dropout and loss as many eager kernels (the step before)"
     )
+    p.add_argument(
+        "--feed-data",
+        type=existing_dir,
+        metavar="DIR",
+        help="a prepared corpus to time the data feed on (default: 20,000 pairs of WMT'14's shape, made for the run)",
+    )
     p.add_argument("--validate", action="store_true", help="predict this CPU's measured steps (tiny, base)")
     p.add_argument("--steps", type=positive_int, default=5)
     p.add_argument("--json", action="store_true")
@@ -210,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             result = validate(args.steps)
         else:
             cfg = load_config(args.config, ["parallel.tp=1", *args.overrides])
-            result = predict_gpu(cfg, args.gpu, args.len, args.engine, args.unfused, args.top)
+            result = predict_gpu(cfg, args.gpu, args.len, corpus_feed(cfg, args.feed_data), args.engine, args.unfused,
+                                 args.top)  # fmt: skip
     except MegaformerError as err:  # a config or data the step cannot be built from: one line
         print(f"gpu_sim: error: {err}", file=sys.stderr)
         return 2
@@ -229,7 +262,7 @@ def _text(r: dict) -> str:
                      f"{r['h200_2026_11_30_measured']:,}, error {r['h200_2026_11_30_error']:+.1%}"]
         )  # fmt: skip
     lines = [
-        f"{r['gpu']}: step {r['step_ms']} ms (device {r['device_ms']}, host {r['host_ms']}), "
+        f"{r['gpu']}: step {r['step_ms']} ms (device {r['device_ms']}, host {r['host_ms']}, the feed {r['feed_ms']} of it), "
         f"{r['target_tokens_per_s']:,} target tok/s, MFU {r['predicted_mfu']:.1%}",
         f"{r['kernels_per_step']} kernels, {r['gb_per_step']} GB, {r['tflop_per_step']} TFLOP, "
         f"{r['host_reads_per_step']} host reads a step; host {r['host_us_per_op']} us an operator (this CPU)",

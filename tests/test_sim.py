@@ -106,3 +106,32 @@ def test_gpu_sim_refuses_bad_input_in_one_line(capsys):
         assert code.value.code == 2 and said in capsys.readouterr().err
     assert gpu_sim.main(["--config", "no-such.yaml"]) == 2
     assert capsys.readouterr().err.strip() == "gpu_sim: error: config file not found: no-such.yaml"
+
+
+def test_the_feed_is_host_work_before_the_steps_first_kernel():
+    from megaformer.sim.feed import feed_op
+
+    dev = Device("x", 1e12, 1e12, 1e12, gemm_efficiency=1, memory_efficiency=1, min_kernel_s=0, host_op_s=1e-3)
+    slow = _op(flops=5e9)  # 5 ms on the device, 1 ms of host
+    feed = feed_op(10e-3)
+    assert feed.kernels == 0 and not feed.on_device
+    # the host feeds (10 ms and its dispatch), then queues the kernel: it ends at 12 + 5
+    assert timeline([feed, slow], dev).seconds == pytest.approx(17e-3)
+    cpu = Device(**{**dev.__dict__, "overlap": False})
+    assert timeline([feed, slow, slow], cpu).seconds == pytest.approx(11e-3 + 2 * 6e-3)
+
+
+def test_the_feed_is_timed_alone_and_a_loader_started_each_epoch_costs_the_main_process(synthetic_data):
+    from megaformer.sim.feed import feed_cost
+
+    # 300 pairs of ~13 tokens, steps of 512: an epoch every ~7 steps
+    cfg = load_config("configs/tiny.yaml", ["train.tokens_per_step=512", "data.max_tokens=256", "data.num_workers=1"])
+    restarted = feed_cost(cfg, synthetic_data, steps=14, restart_each_epoch=True)
+    kept = feed_cost(cfg, synthetic_data, steps=14)
+    assert restarted.epochs >= 1 and kept.epochs >= 1
+    assert kept.target_tokens == pytest.approx(restarted.target_tokens, rel=0.05)  # the same plan of batches
+    # an epoch's start decodes its samples on the calling thread: the mean step costs more than a steady one
+    assert restarted.cpu_s > 1.5 * restarted.steady_cpu_s
+    # a persistent loader worker decodes in its own process: the main process's share is smaller
+    assert kept.cpu_s < restarted.cpu_s
+    assert restarted.seconds_for(2 * restarted.target_tokens) == pytest.approx(2 * restarted.cpu_s)

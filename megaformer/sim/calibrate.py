@@ -2,8 +2,8 @@
 
 * each kernel of the step made again and timed at its own shapes, strides and dtypes: a CPU's small matmuls
   run far below its peak, and its element-wise kernels below its bandwidth (a softmax over rows of 12 keys
-  took 8.6 ns an element on the 2-core EPYC: per-row work, not memory);
-  A matmul streams its weights (and writes their gradients) from memory when the model's weights exceed the
+  took 8.6 ns an element on the 2-core EPYC: per-row work, not memory), each after its inputs have left
+  L2 (other kernels ran in between in the step). A matmul streams its weights (and writes their gradients) from memory when the model's weights exceed the
   last-level cache (on the 2-core EPYC, transformer_base's mm ran 20 % slower in its step than made again
   and timed hot): it is then timed with the cache emptied first, the median of its repeats;
 * the bandwidth of an element-wise add at sizes from 48 KiB to 192 MiB, for a kernel that cannot be made again;
@@ -58,14 +58,23 @@ def bandwidth_by_size(largest: int = 64 << 20) -> tuple[tuple[int, float], ...]:
     return tuple((3 * size, memory_bandwidth(size, repeats=max(5, (64 << 20) // size))) for size in sizes)
 
 
-def last_level_cache() -> int:
-    """Bytes of this CPU's last-level cache (sysfs; 32 MiB if it does not say)."""
-    try:
-        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
-    except OSError:
-        return 32 << 20
+def cache_bytes(level: int = 3) -> int:
+    """Bytes of one of this CPU's caches (sysfs; 32 MiB for the last level, 1 MiB for L2, if it does not say)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if int((index / "level").read_text()) != level or (index / "type").read_text().strip() == "Instruction":
+                continue
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+    return (32 if level >= 3 else 1) << 20
+
+
+def last_level_cache() -> int:
+    """Bytes of this CPU's last-level cache."""
+    return cache_bytes(3)
 
 
 def _made(ops: list[Op]) -> dict[tuple, tuple]:
@@ -89,9 +98,13 @@ def op_seconds(ops: list[Op], repeats: int = 3, rounds: int = 2, cold_gemms: boo
     another process's work on the cores then spoils one sweep's figure, not the kernel's). An operator that
     cannot be made again (its arguments' values matter) is left out, and the roofline prices it.
 
-    ``cold_gemms``: a matmul is timed after reading twice the last-level cache, the median of its calls (its
-    weights come from memory, as in a step whose weights the cache cannot hold)."""
+    Before each call twice the L2 cache is written: in a step a kernel's inputs were written by other
+    kernels since it last ran, and it finds them beyond L2 (timed hot, tiny's kernels summed 5 % under
+    the same kernels after a sweep, on the 2-core EPYC). ``cold_gemms``: a matmul is timed after
+    reading twice the last-level cache, the median of its calls (its weights come from memory, as in
+    a step whose weights the cache cannot hold)."""
     calls = _made(ops)
+    l2 = torch.empty(2 * cache_bytes(2) // 4).uniform_()
     sweep = torch.empty(2 * last_level_cache() // 4).uniform_() if cold_gemms else None
     cold = {signature for signature in calls if sweep is not None and signature[0]._overloadpacket.__name__ in GEMMS}
     timed: dict[tuple, list[float]] = {}
@@ -100,6 +113,8 @@ def op_seconds(ops: list[Op], repeats: int = 3, rounds: int = 2, cold_gemms: boo
             for _ in range(repeats):
                 if signature in cold:
                     sweep.sum()
+                else:
+                    l2.add_(1.0)
                 began = time.perf_counter()
                 func(*args, **kwargs)
                 timed.setdefault(signature, []).append(time.perf_counter() - began)
