@@ -137,6 +137,24 @@ def test_topk_ties_go_to_the_lower_id_and_masks_hold():
     assert c.token[0].tolist() == [10, 11, 12, 13, 3, 1]
 
 
+def test_wide_rows_give_torch_topks_values_and_ties_at_the_cut_to_the_lower_id():
+    from megaformer.decode.vocab_topk import _block_topk
+
+    g = torch.Generator().manual_seed(0)
+    for n in (8000, 8003, 64 * 9):
+        z = torch.randint(-40, 40, (50, n), generator=g).float()  # many ties
+        z[:, :100] = float("-inf")  # masked columns, a masked block
+        z[7] = float("-inf")
+        z[7, n - 1] = 2.0  # a row whose one finite value sits past the last whole block
+        values, index = _block_topk(z, 9)
+        assert torch.equal(values, z.topk(9, dim=-1).values)
+        assert torch.equal(z.gather(-1, index), values)
+    z = torch.zeros(2, 8000)
+    z[:, 5000:5020] = 1.0  # twenty tied best, cut at 9: the lowest ids, as torch's stable sort gives
+    c = vocab_parallel_topk(z, 9, LOCAL, 8000, never=(0, 2), eos_id=3)
+    assert c.token[0].tolist() == list(range(5000, 5009))
+
+
 def test_search_refuses_training_mode(model, sources):
     model.train()
     try:

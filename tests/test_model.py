@@ -149,10 +149,32 @@ def test_cache_reorder_follows_beams():
         cache = DecoderCache(len(model.decoder))
         model.decode(tgt[:, :2], memory, mask, cache)
         order = torch.tensor([2, 0, 1])
-        cache.reorder(order)
+        cache.reorder(order, sources=order)  # rows that are whole sentences: their sources follow
         step = model.logits(model.decode(tgt[order, 2:3], memory[order], mask[order], cache))
         full = model(src[order], tgt[order, :3])[:, -1:]
     assert (step - full).abs().max().item() <= 1e-5
+
+
+def test_hypotheses_of_one_source_share_its_cross_attention_keys():
+    """Beam search's layout: ``beam`` consecutive target rows per source row attend to that source, whose keys
+    and values are computed once; equal to the same rows decoded with the source repeated for each."""
+    model = make()
+    model.eval()
+    src, tgt = batch(3)
+    beam = 2
+    rows = torch.arange(src.shape[0]).repeat_interleave(beam)
+    hyps = tgt[rows].clone()
+    hyps[1::beam, 1:] = 4 + (hyps[1::beam, 1:] + 1) % (VOCAB - 4)  # the second hypothesis of each differs
+    with torch.no_grad():
+        memory, mask = model.encode(src)
+        shared, cache = [], DecoderCache(len(model.decoder))
+        for i in range(hyps.shape[1]):
+            shared.append(model.logits(model.decode(hyps[:, i : i + 1], memory, mask, cache)))
+        repeated = model(src[rows], hyps)
+        with pytest.raises(ValueError, match="cannot share 3 sources"):
+            model.decode(hyps[:4, :1], memory, mask)
+    assert cache.cross_attn[0]["k"].shape[0] == src.shape[0]
+    assert (torch.cat(shared, 1) - repeated).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])

@@ -157,10 +157,8 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
     n, device = src.shape[0], src.device
     limits = max_output_lengths(src, model.pad_id, model.cfg.max_positions, settings.max_len_a, settings.max_len_b)
 
-    memory, memory_mask = model.encode(src)  # (n, src_len, d)
-    memory = memory.repeat_interleave(beam, dim=0)  # (n beam, src_len, d): row = sentence * beam + b
-    if memory_mask is not None:
-        memory_mask = memory_mask.repeat_interleave(beam, dim=0)
+    # (n, src_len, d): a row per sentence, which its beam rows (row = sentence * beam + b) share
+    memory, memory_mask = model.encode(src)
     cache = DecoderCache(len(model.decoder)) if settings.use_cache else None
     active, tokens, scores = _start(n, beam, device)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
@@ -195,10 +193,11 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
         index = next_row.index_select(0, keep.to(device)).view(-1)  # (m' beam,) rows to continue
         tokens = torch.cat([tokens.index_select(0, index), next_token.index_select(0, keep.to(device)).view(-1, 1)], 1)
         scores = next_score.index_select(0, keep.to(device)).view(-1)
+        shrink = bool(done.any())
         if cache is not None:
-            cache.reorder(index)
-        if bool(done.any()):  # shrink: the memory rows of a sentence are identical, keep its block
-            memory, memory_mask, active = _keep_sentences(keep, beam, memory, memory_mask, active)
+            cache.reorder(index, keep.to(device) if shrink else None)
+        if shrink:
+            memory, memory_mask, active = _keep_sentences(keep, memory, memory_mask, active)
 
     return [max(f, key=lambda h: h.score) for f in finished]  # max keeps the first of equal scores
 
@@ -206,11 +205,13 @@ def beam_search(model: Transformer, src: torch.Tensor, settings: SearchSettings)
 def _candidates(
     model: Transformer, logits: torch.Tensor, k: int, ban_eos: torch.Tensor, only_eos: torch.Tensor
 ) -> Candidates:
-    """The ``k`` best next tokens of every row (never pad or bos; eos banned or forced per row)."""
+    """The ``k`` best next tokens of every row (never pad or bos; eos banned or forced per row); ``logits`` is
+    overwritten."""
     never = (model.pad_id, BOS_ID)
     return vocab_parallel_topk(
-        logits, k, model.tp, model.vocab_size, never=never, eos_id=EOS_ID, ban_eos=ban_eos, only_eos=only_eos
-    )
+        logits, k, model.tp, model.vocab_size, never=never, eos_id=EOS_ID, ban_eos=ban_eos, only_eos=only_eos,
+        consume=True,
+    )  # fmt: skip
 
 
 def _start(n: int, beam: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,10 +224,10 @@ def _start(n: int, beam: int, device: torch.device) -> tuple[torch.Tensor, torch
 
 
 def _keep_sentences(
-    keep: torch.Tensor, beam: int, memory: torch.Tensor, memory_mask: torch.Tensor | None, active: torch.Tensor
+    keep: torch.Tensor, memory: torch.Tensor, memory_mask: torch.Tensor | None, active: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The encoder rows, masks and indices of the sentences at positions ``keep`` (each a block of ``beam`` rows)."""
-    rows = (keep.to(memory.device).unsqueeze(-1) * beam + torch.arange(beam, device=memory.device)).view(-1)
+    """The encoder rows, masks and indices of the sentences at positions ``keep``."""
+    rows = keep.to(memory.device)
     memory = memory.index_select(0, rows)
     if memory_mask is not None:
         memory_mask = memory_mask.index_select(0, rows)
@@ -306,6 +307,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, settings: SearchSetting
             eos_id=EOS_ID,
             ban_eos=ban_eos,
             only_eos=only_eos,
+            consume=True,
         )
         token = cand.token[:, 0]
         scores = scores + cand.logprob[:, 0]
@@ -324,7 +326,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, settings: SearchSetting
             if memory_mask is not None:
                 memory_mask = memory_mask.index_select(0, keep)
             if cache is not None:
-                cache.reorder(keep)
+                cache.reorder(keep, keep)
             active = active[keep.cpu()]
     assert all(h is not None for h in out), "every sentence ends by its maximum length"
     return out  # type: ignore[return-value]

@@ -43,11 +43,32 @@ class Candidates:
     token: torch.Tensor  # (rows, k) int64 global token ids
 
 
+BLOCK = 64  # columns a block of :func:`_block_topk`
+
+
+def _block_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z.topk(k)``'s values (the order of tied columns aside) from the ``k`` blocks of ``BLOCK`` columns with the
+    largest maxima and the columns past the last whole block: 1.8 against 3.3 ms for 720 rows of 8,000 on the
+    2-core EPYC. Exact: the columns above the k-th value lie in blocks whose maximum is above it, fewer than k
+    of them, and each block chosen beside them has a maximum equal to the k-th value or holds nothing needed."""
+    rows, n = z.shape
+    whole = n // BLOCK * BLOCK
+    maxima = z[:, :whole].reshape(rows, whole // BLOCK, BLOCK).amax(-1)  # (rows, blocks)
+    blocks = maxima.topk(k, dim=-1).indices
+    columns = (blocks.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=z.device)).view(rows, -1)
+    if whole < n:
+        columns = torch.cat([columns, torch.arange(whole, n, device=z.device).expand(rows, n - whole)], 1)
+    values, where = z.gather(-1, columns).topk(k, dim=-1)
+    return values, columns.gather(-1, where)
+
+
 def _local_topk(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of each row of ``z`` (k <= columns) with ties at the k-th value resolved to the lower column."""
     if k == z.shape[-1]:
         return z.sort(dim=-1, descending=True, stable=True)
-    values, index = z.topk(k + 1, dim=-1)  # (rows, k + 1), sorted by value; tie order unspecified
+    # (rows, k + 1), sorted by value; tie order unspecified
+    wide = z.shape[-1] >= 8 * BLOCK * (k + 1)
+    values, index = _block_topk(z, k + 1) if wide else z.topk(k + 1, dim=-1)
     # The cut splits a tie when the (k+1)-th value equals the k-th: topk may then have
     # kept any of the tied columns. Redo those rows with a stable sort.
     crowded = (values[:, k] == values[:, k - 1]) & torch.isfinite(values[:, k])
@@ -67,21 +88,24 @@ def _allowed(
     eos_id: int,
     ban_eos: torch.Tensor | None,
     only_eos: torch.Tensor | None,
+    in_place: bool,
 ) -> torch.Tensor:
-    """What may be produced: a copy of the real logits ``z`` (ids ``start`` ...) with the forbidden ones at -inf."""
+    """What may be produced: the real logits ``z`` (ids ``start`` ...) with the forbidden ones at -inf, in a copy
+    unless ``in_place`` (``logits`` is then written too: read here before it is)."""
     n_real = z.shape[1]
-    z = z.clone()
+    eos_col = eos_id - start if start <= eos_id < start + n_real else None
+    eos_logit = logits[:, eos_col].float().clone() if eos_col is not None else None  # before any write
+    z = z if in_place else z.clone()
     for i in never:
         if start <= i < start + n_real:
             z[:, i - start] = NEG_INF
-    eos_col = eos_id - start if start <= eos_id < start + n_real else None
     if ban_eos is not None and eos_col is not None:
         z[:, eos_col] = z[:, eos_col].masked_fill(ban_eos, NEG_INF)
     if only_eos is not None and bool(only_eos.any()):
         keep_eos = z[:, eos_col].clone() if eos_col is not None else None
         z[only_eos] = NEG_INF
         if eos_col is not None:  # a row that must end may end even where eos is otherwise banned
-            z[:, eos_col] = torch.where(only_eos, logits[:, eos_col].float(), keep_eos)
+            z[:, eos_col] = torch.where(only_eos, eos_logit, keep_eos)
     return z
 
 
@@ -95,13 +119,15 @@ def vocab_parallel_topk(
     eos_id: int,
     ban_eos: torch.Tensor | None = None,
     only_eos: torch.Tensor | None = None,
+    consume: bool = False,
 ) -> Candidates:
     """The ``k`` best tokens of every row of this rank's logits slice (a collective over ``tp``).
 
     ``logits``: (rows, padded_vocab / tp), this rank's slice. ``never``: ids that are
     never produced (pad, bos). ``ban_eos`` / ``only_eos``: (rows,) booleans, rows that
     may not end yet (minimum length) and rows that must end now (maximum length);
-    ``only_eos`` wins where both are set. Returns :class:`Candidates` of shape (rows, k),
+    ``only_eos`` wins where both are set. ``consume``: the caller has no further use for ``logits``, which
+    may then be overwritten (no copy of a vocabulary-wide tensor). Returns :class:`Candidates` of shape (rows, k),
     identical on every rank; at most ``padded_vocab`` candidates.
     """
     rows, local = logits.shape
@@ -110,7 +136,7 @@ def vocab_parallel_topk(
     z = logits[:, :n_real].float()  # (rows, n_real)
     lse_here = torch.logsumexp(z, dim=-1) if n_real else logits.new_full((rows,), NEG_INF).float()
 
-    z = _allowed(z, logits, start, never, eos_id, ban_eos, only_eos)
+    z = _allowed(z, logits, start, never, eos_id, ban_eos, only_eos, in_place=consume)
 
     kk = min(k, local)
     values = z.new_full((rows, kk), NEG_INF)

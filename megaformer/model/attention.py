@@ -20,8 +20,10 @@ from megaformer.parallel import ColumnParallelLinear, DropoutRNG, RowParallelLin
 class DecoderCache:
     """Per-layer keys and values kept between decoding steps.
 
-    Self-attention keys/values grow by one position a step; cross-attention
-    keys/values are computed once per source. :meth:`reorder` follows beam search.
+    Self-attention keys/values grow by one position a step, a row per hypothesis;
+    cross-attention keys/values are computed once per source, a row per source (the
+    hypotheses of one source share them, see :class:`CrossAttention`). :meth:`reorder`
+    follows beam search.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -34,11 +36,14 @@ class DecoderCache:
         first = self.self_attn[0]
         return first["k"].shape[2] if first else 0
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keep the rows ``index`` of the batch (beam search's surviving hypotheses)."""
-        for layer in self.self_attn + self.cross_attn:
-            for name, t in layer.items():
-                layer[name] = t.index_select(0, index)
+    def reorder(self, index: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """Keep the hypotheses ``index`` (beam search's survivors) and, where given, the sources ``sources``."""
+        for layers, rows in ((self.self_attn, index), (self.cross_attn, sources)):
+            if rows is None:
+                continue
+            for layer in layers:
+                for name, t in layer.items():
+                    layer[name] = t.index_select(0, rows)
 
 
 def freeze_key_bias(bias: torch.Tensor, blocks: int, key_block: int) -> None:
@@ -240,13 +245,20 @@ class CrossAttention(nn.Module):
     ) -> torch.Tensor:
         q = self.q(x)
         b, t = q.shape[:2]
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (batch, heads, tgt_len, head_dim)
         if cache:
             k, v = cache["k"], cache["v"]
         else:
-            k, v = split_heads(self.kv(memory), 2, self.heads, self.head_dim)  # each (batch, heads, src_len, head_dim)
-            if cache is not None:
-                cache["k"], cache["v"] = k, v
+            k, v = split_heads(
+                self.kv(memory), 2, self.heads, self.head_dim
+            )  # each (sources, heads, src_len, head_dim)
+            if cache is not None:  # contiguous once: each step's matmuls then read them as they are
+                k, v = cache["k"], cache["v"] = k.contiguous(), v.contiguous()
+        # ``group`` consecutive rows of x attend to one source (beam search's hypotheses of a sentence): their
+        # queries side by side, (sources, heads, group * tgt_len, head_dim), against keys computed once per source
+        sources = k.shape[0]
+        if b % sources:
+            raise ValueError(f"{b} target rows cannot share {sources} sources in equal groups")
+        q = q.view(sources, b // sources * t, self.heads, self.head_dim).transpose(1, 2)
         p = self.attention_dropout if self.training else 0.0
         heads = attend(q, k, v, memory_mask, False, p, self.rng)
         return self.out(heads.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))

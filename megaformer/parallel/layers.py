@@ -19,6 +19,7 @@ from megaformer.parallel.comm import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
+from megaformer.parallel.cpu_matmul import linear
 from megaformer.parallel.groups import TPGroup
 from megaformer.parallel.sharding import mark_sharded
 
@@ -68,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)  # (..., out_features / tp)
+        y = linear(x, self.weight, self.bias)  # (..., out_features / tp)
         return gather_from_tp(y, self.tp) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -104,8 +105,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:  # nothing to sum: the bias rides in the matmul (addmm), one pass fewer
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)  # (..., out_features), a partial sum
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)  # (..., out_features), a partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.tp)
             # Each rank adds the bias to its part of the sequence: sum its gradient over ranks.
@@ -167,7 +168,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the output logits, x E_i^T: (..., V / tp). Never gathered here."""
         x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class LayerNorm(nn.Module):
