@@ -53,7 +53,7 @@ GEMMS = {
     "_flash_attention_forward", "_flash_attention_backward", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward", "_linear_pointwise",
 }  # fmt: skip
 GATHERS = {"gather", "embedding", "index_select"}  # their first input is read only where indexed
 # CUDA's multi_tensor_apply: at most this many tensors a launch by the number of lists, and 320 blocks
@@ -201,6 +201,8 @@ class OpRecorder(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             flops = float(formula(*args, **kwargs, out_val=out))
+        elif name == "_linear_pointwise":  # oneDNN's linear (parallel/cpu_matmul.py), which torch has no formula for
+            flops = 2.0 * outputs[0].numel() * inputs[0].shape[-1]
         if name in NO_KERNEL or not on_device or not (outputs or name.endswith("_")):  # no tensor made or changed
             kernels, nbytes = 0, 0
         elif name in GATHERS:  # reads only the rows or elements it gathers: as many as it writes, and the indices
