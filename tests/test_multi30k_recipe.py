@@ -50,6 +50,12 @@ def test_a_short_fp32_run_takes_the_short_recipe():
     assert short.cooldown_fraction == 0 and _peak_lr(short) == pytest.approx(2.2e-3, rel=1e-3)
 
 
+def test_fp32_through_onednn_takes_the_fp32_hours_recipe_in_15_minutes():
+    fast = choose("15", Machine(gpus=0, native_bf16=True, onednn_fp32=True), precision="fp32")  # ~1,350 expected
+    assert (fast.tokens_per_step, fast.norm, fast.dropout, fast.warmup_steps) == (1000, "pre", 0.15, 1000)
+    assert fast.lr_scale == 1.1132 and choose("15", CPU_FP32).lr_scale == 0.704
+
+
 def test_an_fp32_hour_warms_up_longer_with_small_steps():
     hour = choose("60", CPU_FP32)  # ~2,700 steps expected
     assert (hour.tokens_per_step, hour.norm, hour.dropout, hour.warmup_steps) == (1000, "pre", 0.15, 1000)

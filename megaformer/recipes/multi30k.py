@@ -28,17 +28,20 @@ AVERAGE_LAST = 5
 SAVES_PER_RUN = 24  # a checkpoint every minutes / 24: the last 5 span its last ~20 %
 # Steps of 3,000 tokens a minute: two CPU cores in bf16 (AVX512-BF16 or AMX) ~125, in fp32 ~45;
 # one GPU taken to reach ~2,000 (not yet measured).
-STEPS_PER_MINUTE = {"gpu": 2000, "bf16": 125, "fp32": 45}
+# fp32_onednn: fp32 through oneDNN's AVX-512 kernels (parallel/cpu_matmul.py), 4,642 target tok/s on the 2-core EPYC
+STEPS_PER_MINUTE = {"gpu": 2000, "bf16": 125, "fp32": 45, "fp32_onednn": 90}
 SHORT_STEPS = 1000  # under this: the short recipe (1,000-token steps, pre-LN, dropout 0.1, peak 2.2e-3)
 LONG_STEPS = 3600  # from this on: dropout 0.25 (under: 0.15), and bf16 CPU runs keep the plain lr decay
 
 
 @dataclass(frozen=True)
 class Machine:
-    """What the recipe needs to know of where it runs: CUDA GPUs (as ``nvidia-smi`` lists them) and native bf16."""
+    """What the recipe needs to know of where it runs: CUDA GPUs (as ``nvidia-smi`` lists them), native bf16, and
+    fp32 products through oneDNN's AVX-512 kernels (:func:`megaformer.parallel.cpu_matmul.onednn_for_fp32`)."""
 
     gpus: int
     native_bf16: bool
+    onednn_fp32: bool = False
 
     @classmethod
     def detect(cls, cpuinfo: str = "/proc/cpuinfo") -> Machine:
@@ -53,7 +56,10 @@ class Machine:
             flags = Path(cpuinfo).read_text()
         except OSError:
             flags = ""
-        return cls(gpus=gpus, native_bf16=bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags)))
+        from megaformer.parallel.cpu_matmul import onednn_for_fp32  # the choice the training processes make
+
+        native_bf16 = bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+        return cls(gpus=gpus, native_bf16=native_bf16, onednn_fp32=onednn_for_fp32())
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,8 @@ def choose(minutes: str, machine: Machine, precision: str | None = None) -> Choi
     precision = precision or ("bf16" if gpu or machine.native_bf16 else "fp32")
     if precision not in ("bf16", "fp32"):
         raise ConfigError(f"M30K_PRECISION={precision}: use bf16 or fp32")
-    steps = float(minutes) * STEPS_PER_MINUTE["gpu" if gpu else precision]
+    rate = "gpu" if gpu else "fp32_onednn" if precision == "fp32" and machine.onednn_fp32 else precision
+    steps = float(minutes) * STEPS_PER_MINUTE[rate]
     short = steps < SHORT_STEPS
     small_steps = short or precision == "fp32"  # steps of 1,000 tokens, pre-LN layers
     long_fp32 = precision == "fp32" and not short  # warmed up over 1,000 updates to 2.2e-3
