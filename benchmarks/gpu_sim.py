@@ -48,6 +48,7 @@ from megaformer.sim.deepspeed import deepspeed_extra, with_deepspeed  # noqa: E4
 from megaformer.sim.feed import FeedCost, feed_cost, feed_op  # noqa: E402
 from megaformer.sim.roofline import GPUS, StepCost, timeline  # noqa: E402
 from megaformer.sim.step import MicroShape, record_step, step_shape  # noqa: E402
+from megaformer.train.device import cpu_flags as host_flags  # noqa: E402
 
 # transformer_base's shape on a CPU: its width and depth, steps a 2-core CPU trains in ~1 s
 BASE_ON_CPU = ("train.precision=fp32", "train.tokens_per_step=1024", "data.max_tokens=512", "data.vocab_size=1000")
@@ -206,12 +207,8 @@ def validate(steps: int) -> dict:
 
 
 def cpu_flags() -> list[str]:
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return []
-    return [f for f in wanted if f in flags]
+    have = host_flags()
+    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
 
 
 def main(argv: list[str] | None = None) -> int:

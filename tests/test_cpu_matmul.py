@@ -21,7 +21,7 @@ def choose(monkeypatch):
     def set_choice(value: str, vendor: str = "AuthenticAMD", flags: str = "avx2 avx512f", isa: str = "") -> bool:
         monkeypatch.setenv("MEGAFORMER_CPU_MATMUL", value)
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa) if isa else monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", False)
-        monkeypatch.setattr(cpu_matmul, "_cpu", lambda: (vendor, set(flags.split())))
+        monkeypatch.setattr(cpu_matmul, "cpu_field", lambda name, *_: vendor if name == "vendor_id" else flags)
         onednn_for_fp32.cache_clear()
         return onednn_for_fp32()
 

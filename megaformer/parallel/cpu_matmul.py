@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megaformer.errors import ConfigError
 
 CHOICES = ("auto", "onednn", "blas")
+CPUINFO = Path("/proc/cpuinfo")
 # A layer narrower than this keeps MKL: tiny's (64 wide) trained 1.3x slower through oneDNN, its weight
 # gradients' transposed operands costing more than its products gained; 256 wide: 1.5x faster.
 MIN_FEATURES = 128
@@ -45,24 +46,25 @@ def onednn_for_fp32() -> bool:
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if choice != "auto" or not available:
         return available and choice == "onednn"
-    vendor, flags = _cpu()
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     capped = isa not in ("ALL", "DEFAULT") and not isa.startswith(("AVX512", "AVX10", "AMX"))  # below AVX-512
-    return vendor not in ("GenuineIntel", "") and "avx512f" in flags and not capped
+    return cpu_field("vendor_id") not in ("GenuineIntel", "") and "avx512f" in cpu_flags() and not capped
 
 
-def _cpu() -> tuple[str, set[str]]:
-    """This CPU's vendor and flags (/proc/cpuinfo; nothing where it cannot be read)."""
-    vendor, flags = "", set()
+def cpu_field(name: str, cpuinfo: Path = CPUINFO) -> str:
+    """The first processor's ``name`` line of /proc/cpuinfo (``vendor_id``, ``flags``), empty where unknown."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id") and not vendor:
-                vendor = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return vendor, flags
+    return ""
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
+    """The CPU's feature flags, empty where unknown."""
+    return set(cpu_field("flags", cpuinfo).split())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,23 +20,12 @@ from pathlib import Path
 import torch
 
 from megaformer.errors import ConfigError
+from megaformer.parallel.cpu_matmul import CPUINFO, cpu_flags
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-CPUINFO = Path("/proc/cpuinfo")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU instructions oneDNN runs bf16 matmuls with
 # ONEDNN_MAX_CPU_ISA values that keep oneDNN below its bf16 instructions (it emulates bf16 then).
 ISA_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
-
-
-def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
-    """The CPU's feature flags (the first processor's ``flags`` line), empty where unknown."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_bf16_missing(cpuinfo: Path = CPUINFO) -> str | None:
