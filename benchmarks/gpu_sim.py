@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from megaformer import cli  # noqa: E402
 from megaformer.cli_args import existing_dir, int_range, positive_int  # noqa: E402
 from megaformer.config import Config, load_config  # noqa: E402
+from megaformer.cpuinfo import cpu_flags as host_flags  # noqa: E402
 from megaformer.errors import MegaformerError  # noqa: E402
 from megaformer.info import model_info  # noqa: E402
 from megaformer.parallel import fused  # noqa: E402
@@ -48,7 +49,6 @@ from megaformer.sim.deepspeed import deepspeed_extra, with_deepspeed  # noqa: E4
 from megaformer.sim.feed import FeedCost, feed_cost, feed_op  # noqa: E402
 from megaformer.sim.roofline import GPUS, StepCost, timeline  # noqa: E402
 from megaformer.sim.step import MicroShape, record_step, step_shape  # noqa: E402
-from megaformer.train.device import cpu_flags as host_flags  # noqa: E402
 
 # transformer_base's shape on a CPU: its width and depth, steps a 2-core CPU trains in ~1 s
 BASE_ON_CPU = ("train.precision=fp32", "train.tokens_per_step=1024", "data.max_tokens=512", "data.vocab_size=1000")

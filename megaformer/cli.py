@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import NoReturn
 
 from megaformer import logs
+from megaformer.cpuinfo import matmul_setting
 from megaformer.errors import MegaformerError
 from megaformer.files import PATH_ERRNOS, STATE_ERRNOS, path_refusal
 
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     command: Command = args._command
     logs.configure(logs.level_from(args.quiet, args.verbose))  # ranks started from here inherit the level
     try:
+        matmul_setting()  # a wrong MEGAFORMER_CPU_MATMUL: one line now, not inside a rank's first step
         return int(getattr(command.load(), command.main)(args) or 0)
     except MegaformerError as err:
         print(f"megaformer {command.name}: error: {err}", file=sys.stderr)

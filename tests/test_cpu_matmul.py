@@ -21,7 +21,7 @@ def choose(monkeypatch):
     def set_choice(value: str, vendor: str = "AuthenticAMD", flags: str = "avx2 avx512f", isa: str = "") -> bool:
         monkeypatch.setenv("MEGAFORMER_CPU_MATMUL", value)
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa) if isa else monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", False)
-        monkeypatch.setattr(cpu_matmul, "cpu_field", lambda name, *_: vendor if name == "vendor_id" else flags)
+        monkeypatch.setattr(cpu_matmul.cpuinfo, "cpu_field", lambda name, *_: vendor if name == "vendor_id" else flags)
         onednn_for_fp32.cache_clear()
         return onednn_for_fp32()
 
@@ -87,3 +87,12 @@ def test_blas_bf16_and_narrow_layers_keep_torchs_own_arithmetic_bit_for_bit(choo
     with torch.no_grad():
         half = linear(x.bfloat16(), w.bfloat16(), b.bfloat16())  # bf16: torch already takes oneDNN itself
     assert torch.equal(half, F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()))
+
+
+def test_a_wrong_setting_stops_any_command_in_one_line(monkeypatch, capsys):
+    from megaformer import cli
+
+    monkeypatch.setenv("MEGAFORMER_CPU_MATMUL", "fastest")
+    assert cli.main(["info", "--config", "configs/tiny.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "megaformer info: error: MEGAFORMER_CPU_MATMUL='fastest': expected one of auto, onednn, blas"

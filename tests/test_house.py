@@ -16,7 +16,7 @@ PACKAGE = ROOT / "megaformer"
 LAUNCHER = ROOT / "launcher"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("megaformer", "megaformer.errors", "megaformer.files", "megaformer.lazy", "megaformer.logs"),
+    ("megaformer", "megaformer.errors", "megaformer.files", "megaformer.lazy", "megaformer.logs", "megaformer.cpuinfo"),
     ("megaformer.config",),
     ("megaformer.parallel",),
     ("megaformer.data", "megaformer.model", "megaformer.layout_cost"),

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from megaformer.errors import ConfigError
+from megaformer import cpuinfo
 
-CHOICES = ("auto", "onednn", "blas")
-CPUINFO = Path("/proc/cpuinfo")
 # A layer narrower than this keeps MKL: tiny's (64 wide) trained 1.3x slower through oneDNN, its weight
 # gradients' transposed operands costing more than its products gained; 256 wide: 1.5x faster.
 MIN_FEATURES = 128
@@ -40,31 +37,14 @@ MIN_FEATURES = 128
 @functools.cache
 def onednn_for_fp32() -> bool:
     """Whether fp32 linear layers run through oneDNN in this process (see the module docstring)."""
-    choice = os.environ.get("MEGAFORMER_CPU_MATMUL", "auto")
-    if choice not in CHOICES:
-        raise ConfigError(f"MEGAFORMER_CPU_MATMUL={choice!r}: expected one of {', '.join(CHOICES)}")
+    choice = cpuinfo.matmul_setting()
     available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     if choice != "auto" or not available:
         return available and choice == "onednn"
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     capped = isa not in ("ALL", "DEFAULT") and not isa.startswith(("AVX512", "AVX10", "AMX"))  # below AVX-512
-    return cpu_field("vendor_id") not in ("GenuineIntel", "") and "avx512f" in cpu_flags() and not capped
-
-
-def cpu_field(name: str, cpuinfo: Path = CPUINFO) -> str:
-    """The first processor's ``name`` line of /proc/cpuinfo (``vendor_id``, ``flags``), empty where unknown."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
-    """The CPU's feature flags, empty where unknown."""
-    return set(cpu_field("flags", cpuinfo).split())
+    vendor = cpuinfo.cpu_field("vendor_id")
+    return vendor not in ("GenuineIntel", "") and "avx512f" in cpuinfo.cpu_flags() and not capped
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

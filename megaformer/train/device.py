@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from megaformer.cpuinfo import CPUINFO, cpu_flags
 from megaformer.errors import ConfigError
-from megaformer.parallel.cpu_matmul import CPUINFO, cpu_flags
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # the CPU instructions oneDNN runs bf16 matmuls with
