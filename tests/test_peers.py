@@ -70,11 +70,13 @@ def test_the_peers_get_the_recipe_on_their_options(tmp_path):
     value = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
     assert "--encoder-normalize-before" in args and "--decoder-normalize-before" in args
     assert (value["--max-tokens"], value["--dropout"], value["--encoder-ffn-embed-dim"]) == ("1000", "0.15", "1024")
-    shared = text.Shared(tmp_path, tmp_path, tmp_path / "spm.model", 1000, 15.0, 40)
+    shared = text.Shared(tmp_path, tmp_path, tmp_path / "spm.model", 1000, 15.0, 40, 28997)
     assert peer_fairseq.lenpen(r, shared) == pytest.approx(1.5)  # 2.0 x 15 / 20: GNMT's slope at 15 pieces
     onmt = peer_opennmt.config(r, shared, tmp_path)
     assert (onmt["hidden_size"], onmt["transformer_ff"], onmt["heads"], onmt["batch_size"]) == (256, 1024, 4, 1000)
     assert onmt["dropout"] == [0.15] and onmt["share_embeddings"] and onmt["add_qkvbias"]
+    assert onmt["bucket_size"] == 28997  # one copy of the corpus a bucket, not OpenNMT-py's ~9
+    assert value["--required-batch-size-multiple"] == "1"
 
 
 def test_the_peers_read_megaformers_prepared_pairs_as_pieces(tmp_path, monkeypatch):

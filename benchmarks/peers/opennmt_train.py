@@ -2,11 +2,13 @@
 
     python opennmt_train.py BUDGET.json SUMMARY.json -- ONMT_TRAIN ARGS...
 
-Three of OpenNMT-py's functions are wrapped for the run: the lr schedule (``-learning_rate 1`` times
+Four of OpenNMT-py's functions are wrapped for the run: the lr schedule (``-learning_rate 1`` times
 :meth:`budget.Budget.lr`: the warm-up fitted to the minutes, megaformer's peak), the optimizer's Adam eps
-(OpenNMT-py fixes it at 1e-8; megaformer's is set on the built optimizer), and the per-step report, after
-which the wrapper saves every minutes/24 of training and, when the minutes are spent, saves and stops the
-loop. SUMMARY.json gets the updates, the training seconds and the saved checkpoints.
+(OpenNMT-py fixes it at 1e-8; megaformer's is set on the built optimizer), the feed-forward network's dropout
+after its ReLU (OpenNMT-py applies the residual rate there, no option changes it; the recipe's
+``activation_dropout`` is set on it), and the per-step report, after which the wrapper saves every minutes/24
+of training and, when the minutes are spent, saves and stops the loop. SUMMARY.json gets the updates, the
+training seconds and the saved checkpoints.
 """
 
 from __future__ import annotations
@@ -24,9 +26,23 @@ class Spent(Exception):
     """The minutes are spent: the last checkpoint is saved, the training loop ends here."""
 
 
-def install_hooks(budget: Budget, eps: float, saved: list[int]) -> None:
+def install_hooks(budget: Budget, eps: float, activation_dropout: float, saved: list[int]) -> None:
     import onmt.trainer
     import onmt.utils.optimizers as optimizers
+    from onmt.modules.position_ffn import PositionwiseFeedForward
+
+    init, update = PositionwiseFeedForward.__init__, PositionwiseFeedForward.update_dropout
+
+    def ffn_init(self, *args, **kwargs):  # the dropout after the ReLU: megaformer's activation_dropout
+        init(self, *args, **kwargs)
+        self.dropout_1.p = activation_dropout
+
+    def ffn_update_dropout(self, dropout):
+        update(self, dropout)
+        self.dropout_1.p = activation_dropout
+
+    PositionwiseFeedForward.__init__ = ffn_init
+    PositionwiseFeedForward.update_dropout = ffn_update_dropout
 
     optimizers.make_learning_rate_decay_fn = lambda opt: budget.lr
     build = optimizers.build_torch_optimizer
@@ -61,7 +77,7 @@ def main() -> None:
     spec = json.loads(Path(spec_file).read_text())
     budget = Budget(spec)
     saved: list[int] = []
-    install_hooks(budget, spec["adam_eps"], saved)
+    install_hooks(budget, spec["adam_eps"], spec["activation_dropout"], saved)
     import onmt.bin.train
 
     sys.argv = ["onmt_train", *args]

@@ -6,9 +6,9 @@ The mapping, option by option (``recipe`` is :func:`compare.recipe`'s):
   source, target and output embeddings), sinusoidal positions and embeddings scaled by sqrt(d) (both fairseq's
   defaults too); pre-LN is ``--encoder-normalize-before --decoder-normalize-before``.
 - steps: ``--max-tokens tokens_per_step`` in one process (fairseq counts a batch's padded tokens of its longer
-  side, as megaformer counts its micro-batches'); megaformer's two data-parallel processes of one thread
-  each are one process of two threads here (``OMP_NUM_THREADS`` = the cores): fairseq's CPU training has
-  no other form.
+  side, as megaformer counts its micro-batches'), sentences not rounded to a multiple of 8; megaformer's two
+  data-parallel processes of one thread each are one process of two threads here (``OMP_NUM_THREADS`` = the
+  cores): fairseq's CPU training has no other form.
 - optimizer: Adam with megaformer's betas, eps and weight decay, no clipping (``--clip-norm 0``), label-smoothed
   cross-entropy; the schedule (the peak, the warm-up fitted to the minutes) and the saves are budget.py's,
   installed by fairseq_train.py; validation off (megaformer's is outside its training minutes).
@@ -46,7 +46,8 @@ def train_args(recipe: dict, binary: Path, save_dir: Path) -> list[str]:
         "--adam-eps", str(r["adam_eps"]), "--weight-decay", str(r["weight_decay"]), "--clip-norm", str(r["clip_grad"]),
         "--lr", str(r["peak_lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(r["warmup_max"]),
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", str(r["label_smoothing"]),
-        "--max-tokens", str(r["tokens_per_step"]), "--seed", str(r["seed"]), "--cpu", "--num-workers", "0",
+        "--max-tokens", str(r["tokens_per_step"]), "--required-batch-size-multiple", "1",
+        "--seed", str(r["seed"]), "--cpu", "--num-workers", "0",
         "--disable-validation", "--max-update", "1000000", "--save-dir", str(save_dir),
         "--log-format", "json", "--log-interval", "50",
     ]  # fmt: skip
@@ -92,7 +93,10 @@ def run(recipe: dict, shared: Shared, work: Path, venv: Path) -> tuple[list[str]
         if line.startswith("H-"):
             key, _, pieces = line.split("\t", 2)
             hyps[int(key[2:])] = pieces
-    ordered = [hyps.get(i, "") for i in range(shared.test_lines)]
+    missing = sorted(set(range(shared.test_lines)) - set(hyps))
+    if missing:
+        raise SystemExit(f"peer_fairseq: {out} has no translation of test line(s) {missing[:5]}")
+    ordered = [hyps[i] for i in range(shared.test_lines)]
     rates = [float(x["wps"]) for x in _train_logs(log)]
     extra = {"work": str(work), "warmup": done["warmup"], "train_seconds": done["train_seconds"],
              "lenpen_fairseq": lenpen(recipe, shared), "averaged": done["averaged"]}  # fmt: skip

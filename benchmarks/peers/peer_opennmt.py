@@ -9,13 +9,18 @@ The mapping (``recipe`` is :func:`compare.recipe`'s):
   LayerNorm eps 1e-5. OpenNMT-py's Transformer layers are always pre-LN, so a post-LN recipe cannot be expressed
   (the fp32 recipes are pre-LN).
 - dropout: residual and embedding ``dropout``, ``attention_dropout``; OpenNMT-py also drops out after the
-  feed-forward network's ReLU at the same rate (megaformer's ``activation_dropout`` is 0): not a setting of it.
+  feed-forward network's ReLU at the residual rate, which no option changes: the wrapper sets it to the recipe's
+  ``activation_dropout`` (0).
+- data: ``bucket_size`` the training pairs (the default, 262,144 examples, fills a bucket with ~9 copies of
+  Multi30k, sorted by length and not shuffled between them).
 - steps: ``batch_type tokens``, ``batch_size tokens_per_step`` in one process of two threads (padded tokens of a
   batch's longer side, as megaformer's), no loader workers (megaformer's recipe has none either).
 - optimizer and schedule: Adam with megaformer's betas (its eps through the wrapper), no clipping, label
-  smoothing; lr and saves from budget.py; validation off (outside megaformer's training minutes).
+  smoothing; lr and saves from budget.py; validation off (outside megaformer's training minutes). Initialization
+  is the toolkit's own (Glorot, embeddings included: megaformer draws them from N(0, 1/d)).
 - decoding: beam 4 with GNMT's length penalty (``-length_penalty wu -alpha``, megaformer's); OpenNMT-py has no
-  per-sentence ``a x source + b`` limit: ``-max_length`` is the test set's longest source plus b.
+  per-sentence ``a x source + b`` limit: ``-max_length`` is the test set's longest source plus b. Its beam search
+  ends a sentence when the best hypothesis ends (megaformer and fairseq wait for ``beam`` finished ones).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def config(recipe: dict, shared: Shared, work: Path) -> dict:
         "tgt_vocab_size": 32768, "save_model": str(work / "model"), "save_checkpoint_steps": 10**9,
         "keep_checkpoint": -1, "seed": r["seed"], "train_steps": 10**7, "valid_steps": 10**9,
         "report_every": 50, "log_file": str(work / "onmt_train.log"), "world_size": 1, "gpu_ranks": [],
-        "num_workers": 0, "batch_type": "tokens", "batch_size": r["tokens_per_step"], "accum_count": [1],
+        "num_workers": 0, "bucket_size": shared.train_pairs, "batch_type": "tokens",
+        "batch_size": r["tokens_per_step"], "accum_count": [1],
         "normalization": "tokens", "optim": "adam", "adam_beta1": r["adam_betas"][0],
         "adam_beta2": r["adam_betas"][1], "learning_rate": 1.0, "decay_method": "noam",
         "warmup_steps": r["warmup_max"], "max_grad_norm": r["clip_grad"], "weight_decay": r["weight_decay"],

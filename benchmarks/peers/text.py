@@ -27,6 +27,7 @@ class Shared:
     test_lines: int
     test_mean_pieces: float  # the mean length of the test sources in pieces (+ eos): for fairseq's length penalty
     test_max_pieces: int
+    train_pairs: int
 
 
 def _write_split(prepared: Path, split: str, pieces: list[str], out: Path, counts: Counter) -> int:
@@ -56,6 +57,9 @@ def prepare(data: Path, work: Path, test: str) -> Shared:
     sp = spm.SentencePieceProcessor(model_file=str(model))
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     done = out / "done.json"
+    made_from = {"data": str(data), "test": test}
+    if done.is_file() and {k: json.loads(done.read_text()).get(k) for k in made_from} != made_from:
+        raise SystemExit(f"{out} was made from other data or another test set ({done}): use another --work")
     if not done.is_file():
         out.mkdir(parents=True, exist_ok=True)
         counts: Counter = Counter()
@@ -69,11 +73,15 @@ def prepare(data: Path, work: Path, test: str) -> Shared:
         (out / "dict.txt").write_text("".join(f"{p} {counts[p]}\n" for p in vocab), encoding="utf-8")
         (out / "vocab.txt").write_text("".join(f"{p}\t{counts[p]}\n" for p in vocab), encoding="utf-8")
         lengths = [len(s) + 1 for s in sources]
-        stats = {"pairs": sizes, "test_lines": len(lengths), "test_mean_pieces": sum(lengths) / len(lengths),
+        stats = {**made_from, "pairs": sizes, "test_lines": len(lengths),
+                 "test_mean_pieces": sum(lengths) / len(lengths),
                  "test_max_pieces": max(lengths)}  # fmt: skip
         done.write_text(json.dumps(stats) + "\n")
     stats = json.loads(done.read_text())
-    return Shared(prepared, out, model, stats["test_lines"], stats["test_mean_pieces"], stats["test_max_pieces"])
+    return Shared(
+        prepared, out, model, stats["test_lines"], stats["test_mean_pieces"], stats["test_max_pieces"],
+        stats["pairs"]["train"],
+    )  # fmt: skip
 
 
 def _open_text(path: Path):
