@@ -155,12 +155,13 @@ def main(argv: list[str] | None = None) -> int:
                     print("compare.py: megaformer bf16 skipped: this CPU has no native bf16 (avx512_bf16/amx)")
                     continue
                 results.append(run_megaformer(args, precision, runs / f"megaformer-{precision}"))
+                print(results[-1].line(), flush=True)
         else:
             peer = {"fairseq": peer_fairseq, "opennmt": peer_opennmt}[system]
             venv = args.peers / system
             hyps, updates, rate, extra = peer.run(fp32, shared, runs / system, venv)
             results.append(scored(system, "fp32", args, hyps, updates, rate, extra))
-        print(results[-1].line(), flush=True)
+            print(results[-1].line(), flush=True)
     record = {"when": stamp, "machine": machine_line(), "recipe_fp32": fp32, "data": str(args.data)}
     with open(args.work / "results.jsonl", "a", encoding="utf-8") as f:
         for r in results:

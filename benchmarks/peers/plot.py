@@ -48,8 +48,9 @@ def main(results: Path, png: Path) -> None:
     flags = " ".join(f for f in machine.get("flags", []) if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
     ax.set_xscale("log")
     ax.minorticks_off()
-    ticks = sorted({float(r["minutes"]) for r in runs})
+    ticks = sorted({5.0, 15.0, 60.0} | {float(r["minutes"]) for r in runs})  # the budgets, and any run's
     ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.set_xlim(ticks[0] / 1.3, ticks[-1] * 1.3)
     ax.set_xlabel("training minutes")
     ax.set_ylabel("test_2016_flickr BLEU (sacreBLEU, cased)")
     ax.set_title(
