@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE))
 
 from megaformer.cpuinfo import cpu_field, cpu_flags  # noqa: E402
 from megaformer.decode.evaluate import corpus_scores  # noqa: E402
+from megaformer.errors import MegaformerError  # noqa: E402
 from megaformer.recipes import multi30k as m30k  # noqa: E402
 from megaformer.recipes.steps import RecipeError, Step, megaformer  # noqa: E402
 
@@ -87,7 +88,7 @@ def run_megaformer(args, precision: str, work: Path) -> Result:
     """``megaformer multi30k`` for the minutes at ``precision`` in its own work dir (never a resume)."""
     argv = ["multi30k", "--data", str(args.data), "--minutes", args.minutes, "--precision", precision]
     Step(f"megaformer {precision}", megaformer(*argv, "--tests", TEST, "--work", str(work))).run()
-    tag = "" if args.minutes == "60" else f"-{args.minutes}m"
+    tag = m30k.Multi30k(data=args.data, work=work, minutes=args.minutes).tag
     lines = [json.loads(x) for x in (work / f"run{tag}" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = [x for x in lines if x.get("kind") == "train"]
     hyps = (work / f"{TEST}{tag}.hyp").read_text(encoding="utf-8").splitlines()
@@ -132,6 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.systems.split()) - {"fairseq", "opennmt", "megaformer"}
     if unknown:
         p.error(f"--systems: unknown {' '.join(sorted(unknown))} (fairseq, opennmt, megaformer)")
+    if set(args.precisions.split()) - {"fp32", "bf16"} or not args.precisions.split():
+        p.error(f"--precisions {args.precisions!r}: fp32, bf16 or both")
+    for system in set(args.systems.split()) - {"megaformer"}:
+        if not (args.peers / system / ".installed").is_file():
+            p.error(f"{args.peers / system}: {system} is not installed there: run bash benchmarks/peers/install.sh")
     return args
 
 
@@ -172,4 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MegaformerError as err:  # a step that failed, missing data: one line, the step's output is above it
+        sys.exit(f"compare.py: {err}")
