@@ -107,3 +107,21 @@ def test_the_peers_read_megaformers_prepared_pairs_as_pieces(tmp_path, monkeypat
     test = (shared.text / "test.en").read_text(encoding="utf-8").splitlines()
     assert text.detokenize(shared.spm, test) == [p[0] for p in pairs[20:40]]
     assert shared.test_lines == 20
+
+
+def test_compare_refuses_bad_options_in_one_line(tmp_path, capsys):
+    from megaformer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="MINUTES=soon"):
+        compare.parse_args(["--minutes", "soon", "--peers", str(tmp_path)])
+    for bad in (["--precisions", "fp16"], ["--systems", "marian"], ["--systems", "fairseq"]):
+        with pytest.raises(SystemExit) as exit_:
+            compare.parse_args(["--minutes", "15", "--peers", str(tmp_path), *bad])
+        assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "fp16" in err and "marian" in err and "install.sh" in err
+
+
+def test_wrappers_refuse_a_bad_command_line():
+    with pytest.raises(SystemExit, match="BUDGET.json SUMMARY.json -- TOOL"):
+        peer_budget.wrapper_command(["budget.json", "summary.json", "--no-dashes"], "TOOL")

@@ -12,6 +12,7 @@ PyYAML and the standard library, which both peers' venvs have).
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megaformer.train.budget import BudgetPlan  # noqa: E402
 from megaformer.train.schedule import fitted_lr  # noqa: E402
+
+
+def wrapper_command(argv: list[str], tool: str) -> tuple[dict, Path, list[str]]:
+    """A wrapper's ``BUDGET.json SUMMARY.json -- TOOL ARGS...``: (the budget's spec, the summary path, TOOL's args)."""
+    if len(argv) < 3 or argv[2] != "--":
+        raise SystemExit(f"usage: {Path(sys.argv[0]).name} BUDGET.json SUMMARY.json -- {tool} ARGS...")
+    return json.loads(Path(argv[0]).read_text()), Path(argv[1]), argv[3:]
 
 
 class Budget:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget import Budget  # noqa: E402
+from budget import Budget, wrapper_command  # noqa: E402
 
 
 def install_hooks(budget: Budget) -> None:
@@ -66,10 +66,7 @@ def average(save_dir: Path, last: int) -> tuple[int, list[str]]:
 
 
 def main() -> None:
-    spec_file, summary_file, sep, *args = sys.argv[1:]
-    if sep != "--":
-        raise SystemExit("usage: fairseq_train.py BUDGET.json SUMMARY.json -- FAIRSEQ-TRAIN ARGS...")
-    spec = json.loads(Path(spec_file).read_text())
+    spec, summary_file, args = wrapper_command(sys.argv[1:], "FAIRSEQ-TRAIN")
     budget = Budget(spec)
     install_hooks(budget)
     import fairseq_cli.train as fairseq_train

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from budget import Budget  # noqa: E402
+from budget import Budget, wrapper_command  # noqa: E402
 
 
 class Spent(Exception):
@@ -71,10 +71,7 @@ def install_hooks(budget: Budget, eps: float, activation_dropout: float, saved: 
 
 
 def main() -> None:
-    spec_file, summary_file, sep, *args = sys.argv[1:]
-    if sep != "--":
-        raise SystemExit("usage: opennmt_train.py BUDGET.json SUMMARY.json -- ONMT_TRAIN ARGS...")
-    spec = json.loads(Path(spec_file).read_text())
+    spec, summary_file, args = wrapper_command(sys.argv[1:], "ONMT_TRAIN")
     budget = Budget(spec)
     saved: list[int] = []
     install_hooks(budget, spec["adam_eps"], spec["activation_dropout"], saved)
